@@ -1,0 +1,229 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_UNSPECIFIED: _ClassVar[Status]
+    STATUS_OK: _ClassVar[Status]
+    STATUS_FAILED: _ClassVar[Status]
+
+class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_UNSPECIFIED: _ClassVar[State]
+    STATE_UNKNOWN: _ClassVar[State]
+    STATE_PARKED: _ClassVar[State]
+    STATE_BOUND: _ClassVar[State]
+    STATE_TOMBSTONED: _ClassVar[State]
+
+class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REASON_UNSPECIFIED: _ClassVar[FailureReason]
+    REASON_REAPED: _ClassVar[FailureReason]
+    REASON_UNKNOWN_ID: _ClassVar[FailureReason]
+    REASON_ALREADY_CONSUMED: _ClassVar[FailureReason]
+    REASON_RELEASED: _ClassVar[FailureReason]
+    REASON_EVICTED: _ClassVar[FailureReason]
+    REASON_ALREADY_BOUND: _ClassVar[FailureReason]
+    REASON_POOL_FULL: _ClassVar[FailureReason]
+    REASON_TOO_LARGE: _ClassVar[FailureReason]
+    REASON_WAIT_TIMEOUT: _ClassVar[FailureReason]
+    REASON_EPOCH_MISMATCH: _ClassVar[FailureReason]
+    REASON_SHUTTING_DOWN: _ClassVar[FailureReason]
+    REASON_CHUNK_CONFLICT: _ClassVar[FailureReason]
+    REASON_CHECKSUM_MISMATCH: _ClassVar[FailureReason]
+STATUS_UNSPECIFIED: Status
+STATUS_OK: Status
+STATUS_FAILED: Status
+STATE_UNSPECIFIED: State
+STATE_UNKNOWN: State
+STATE_PARKED: State
+STATE_BOUND: State
+STATE_TOMBSTONED: State
+REASON_UNSPECIFIED: FailureReason
+REASON_REAPED: FailureReason
+REASON_UNKNOWN_ID: FailureReason
+REASON_ALREADY_CONSUMED: FailureReason
+REASON_RELEASED: FailureReason
+REASON_EVICTED: FailureReason
+REASON_ALREADY_BOUND: FailureReason
+REASON_POOL_FULL: FailureReason
+REASON_TOO_LARGE: FailureReason
+REASON_WAIT_TIMEOUT: FailureReason
+REASON_EPOCH_MISMATCH: FailureReason
+REASON_SHUTTING_DOWN: FailureReason
+REASON_CHUNK_CONFLICT: FailureReason
+REASON_CHECKSUM_MISMATCH: FailureReason
+
+class Chunk(_message.Message):
+    __slots__ = ("chunk_id", "crc32c", "data")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    crc32c: int
+    data: bytes
+    def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ParkHeader(_message.Message):
+    __slots__ = ("kv_request_id", "total_chunks", "batch_bytes")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    total_chunks: int
+    batch_bytes: int
+    def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ...) -> None: ...
+
+class ParkRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ParkHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ParkResponse(_message.Message):
+    __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PARKED_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    reason: FailureReason
+    detail: str
+    chunks_parked: int
+    producer_epoch: int
+    lease_remaining_s: float
+    retry_after_s: float
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    chunk_ids: _containers.RepeatedScalarFieldContainer[int]
+    expected_epoch: int
+    wait_timeout_s: float
+    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("chunk", "done")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
+    done: TransferDone
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    reason: FailureReason
+    detail: str
+    chunks_sent: int
+    bytes_sent: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("kv_request_ids", "extend_s")
+    KV_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    extend_s: float
+    def __init__(self, kv_request_ids: _Optional[_Iterable[str]] = ..., extend_s: _Optional[float] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("states",)
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedCompositeFieldContainer[IdState]
+    def __init__(self, states: _Optional[_Iterable[_Union[IdState, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("kv_request_id",)
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    def __init__(self, kv_request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("status", "reason")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    reason: FailureReason
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("kv_request_ids",)
+    KV_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    kv_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kv_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("states",)
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedCompositeFieldContainer[IdState]
+    def __init__(self, states: _Optional[_Iterable[_Union[IdState, _Mapping]]] = ...) -> None: ...
+
+class IdState(_message.Message):
+    __slots__ = ("kv_request_id", "state", "reason", "chunks_parked", "total_chunks", "bytes", "age_s", "lease_remaining_s")
+    KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_PARKED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    kv_request_id: str
+    state: State
+    reason: FailureReason
+    chunks_parked: int
+    total_chunks: int
+    bytes: int
+    age_s: float
+    lease_remaining_s: float
+    def __init__(self, kv_request_id: _Optional[str] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., chunks_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., age_s: _Optional[float] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s")
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNBOUND_STORE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONE_RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_LOAD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_FETCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    producer_epoch: int
+    version: str
+    pool_bytes: int
+    pool_free_bytes: int
+    max_chunk_bytes: int
+    unbound_store_timeout_s: float
+    tombstone_retention_s: float
+    consumer_load_timeout_s: float
+    max_lease_s: float
+    max_fetch_wait_s: float
+    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ...) -> None: ...
