@@ -1,0 +1,133 @@
+"""Every Prometheus metric the producer exports, declared once, with units in the names.
+
+The pool and the lot keep plain counters and statistics and never import prometheus_client;
+`_StateCollector` reads them at scrape time, so gauges cannot drift from the truth. Counters of
+outcomes (`park_total`, `fetch_total`, ...) are incremented by the servicer where the outcome is
+decided. Each producer owns its own `CollectorRegistry`, so several producers can live in one
+test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .lot import Lot, reason_name
+
+# Latency buckets from 100 µs (a one-RTT rejection) to minutes (a fetch that waited for data).
+_SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class _StateCollector(Collector):
+    """Gauges and totals read from the lot and pool at scrape time."""
+
+    def __init__(self, lot: Lot) -> None:
+        self._lot = lot
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._lot.pool.statistics()
+        lot = self._lot.statistics()
+        gauges = {
+            "kvpark_pool_bytes": ("Size of the host pool, bytes", pool.pool_bytes),
+            "kvpark_pool_used_bytes": (
+                "Pool bytes held by chunks and reservations (page-rounded)",
+                pool.used_bytes,
+            ),
+            "kvpark_pool_stored_bytes": ("Payload bytes stored in the pool", pool.stored_bytes),
+            "kvpark_pool_reserved_bytes": (
+                "Pool bytes reserved by declared batches, not yet filled",
+                pool.reserved_bytes,
+            ),
+            "kvpark_parked_ids": ("Ids with chunks and no Fetch attached", lot.parked_ids),
+            "kvpark_bound_ids": ("Ids with a Fetch attached", lot.bound_ids),
+            "kvpark_tombstones": ("Ended ids remembered for late callers", lot.tombstones),
+            "kvpark_keepalive_intents": ("KeepAlive intents for ids not parked yet", lot.intents),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        totals = {
+            "kvpark_reaped": ("Parked ids whose lease ran out and were freed", lot.reaped_total),
+            "kvpark_consumed": ("Ids delivered completely by a Fetch", lot.consumed_total),
+            "kvpark_released": ("Ids given up with Release", lot.released_total),
+            "kvpark_late_fetch_rejections": (
+                "Fetches for an ended id answered at once from its tombstone",
+                lot.late_fetch_rejections_total,
+            ),
+            "kvpark_late_park_rejections": (
+                "Parks for an ended id refused at once from its tombstone",
+                lot.late_park_rejections_total,
+            ),
+            "kvpark_parked_bytes": ("Payload bytes stored by Park", lot.parked_bytes_total),
+        }
+        for name, (doc, value) in totals.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ProducerMetrics:
+    """The producer's metrics, in its own registry."""
+
+    def __init__(self, lot: Lot) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StateCollector(lot))
+        r = self.registry
+        self.park_total = Counter(
+            "kvpark_park", "Park calls by outcome", ["status", "reason"], registry=r
+        )
+        self.fetch_total = Counter(
+            "kvpark_fetch", "Fetch calls by outcome", ["status", "reason"], registry=r
+        )
+        self.sent_bytes_total = Counter(
+            "kvpark_sent_bytes", "Payload bytes streamed to consumers", registry=r
+        )
+        self.suppressed_warnings_total = Counter(
+            "kvpark_suppressed_warnings",
+            "Warnings not logged because the same warning was logged recently",
+            ["kind"],
+            registry=r,
+        )
+        self.fetch_duration_seconds = Histogram(
+            "kvpark_fetch_duration_seconds",
+            "Fetch call duration, from request to the stream's last message",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.time_to_fetch_seconds = Histogram(
+            "kvpark_time_to_fetch_seconds",
+            "Time from an id's first parked chunk to the Fetch that bound it",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+
+    def count_park(self, reason: int) -> None:
+        status, label = _labels(reason)
+        self.park_total.labels(status, label).inc()
+
+    def count_fetch(self, reason: int) -> None:
+        status, label = _labels(reason)
+        self.fetch_total.labels(status, label).inc()
+
+    def serve(self, address: str) -> int:
+        """Starts the /metrics HTTP endpoint on `address` ("host:port"); returns the port."""
+        host, _, port = address.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        self._http = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+
+
+def _labels(reason: int) -> tuple[str, str]:
+    """(status, reason) label values: reason 0 means the call succeeded."""
+    if reason == 0:
+        return "ok", "none"
+    return "failed", reason_name(reason).removeprefix("REASON_").lower()

@@ -1,0 +1,219 @@
+"""Producer lifecycle: start-up -> serve -> graceful shutdown, in one place.
+
+`ProducerServer` owns the pool, the lot, the metrics and the grpc.aio server built from one
+validated `ProducerConfig`. `serve()` is what the process runs: it installs the SIGTERM/SIGINT
+handlers and performs the shutdown of spec §3 — health NOT_SERVING, new Parks refused
+SHUTTING_DOWN, bound Fetches drained for up to `shutdown_grace_s`, the rest failed
+SHUTTING_DOWN — and returns exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.pb import kvpark_pb2 as pb
+from shared.version import __version__
+
+from .config import ProducerConfig
+from .logs import LOGGER_NAME
+from .lot import Clock, Lot, LotSettings
+from .metrics import ProducerMetrics
+from .pool import HostPool
+from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
+
+log = logging.getLogger(LOGGER_NAME)
+
+# Transport keepalive: a consumer that vanished without a FIN (network cut, paused container)
+# is noticed within about PING + TIMEOUT seconds and its Fetch cancelled, so the id goes back
+# to PARKED and its lease runs again instead of staying bound forever.
+_KEEPALIVE_PING_MS = 5_000
+_KEEPALIVE_TIMEOUT_MS = 5_000
+# How often shutdown re-checks whether bound Fetches have drained.
+_DRAIN_POLL_S = 0.02
+
+
+def _grpc_options(config: ProducerConfig) -> list[tuple[str, Any]]:
+    return [
+        # A chunk plus framing must fit; a bit more is accepted so an oversized chunk gets our
+        # INVALID_ARGUMENT naming max_chunk_bytes rather than the transport's RESOURCE_EXHAUSTED.
+        ("grpc.max_receive_message_length", 2 * config.max_chunk_bytes + 65536),
+        ("grpc.max_send_message_length", config.max_chunk_bytes + 65536),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_PING_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class ProducerServer:
+    def __init__(
+        self,
+        config: ProducerConfig,
+        *,
+        clock: Clock = time.monotonic,
+        epoch: int | None = None,
+    ) -> None:
+        self.config = config
+        self.epoch = epoch if epoch is not None else (secrets.randbits(64) or 1)
+        self.pool = HostPool(config.pool_bytes)
+        settings = LotSettings(
+            unbound_store_timeout_s=config.unbound_store_timeout_s,
+            tombstone_retention_s=config.tombstone_retention_s,
+            max_lease_s=config.max_lease_s,
+            max_fetch_wait_s=config.max_fetch_wait_s,
+            max_tombstones=config.max_tombstones,
+            reap_interval_s=config.reap_interval_s,
+        )
+        self.lot = Lot(self.pool, settings, self.epoch, clock)
+        self.metrics = ProducerMetrics(self.lot)
+        self.servicer = KVProducerServicer(
+            self.lot,
+            self.metrics,
+            max_chunk_bytes=config.max_chunk_bytes,
+            server_info=self.server_info,
+        )
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._reap_now = asyncio.Event()
+        self.port = 0
+        self.metrics_port = 0
+        self._stopped = asyncio.Event()
+
+    # ---------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        server = grpc.aio.server(options=_grpc_options(self.config), interceptors=self._interceptors())
+        server.add_generic_rpc_handlers([method_handlers(self.servicer)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                pb.DESCRIPTOR.services_by_name["KVProducer"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        self.port = self._bind(server)
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap_forever(), name="kvpark-reaper")
+        if self.config.metrics_listen:
+            self.metrics_port = self.metrics.serve(self.config.metrics_listen)
+        log.info(
+            "producer serving",
+            extra={
+                "kv": {
+                    "listen": self.config.listen,
+                    "port": self.port,
+                    "metrics_port": self.metrics_port,
+                    "epoch": self.epoch,
+                    "pool_bytes": self.pool.pool_bytes,
+                    "version": __version__,
+                }
+            },
+        )
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return []
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        port = server.add_insecure_port(self.config.listen)
+        if port == 0:
+            raise OSError(f"listen: cannot bind {self.config.listen!r}")
+        return int(port)
+
+    @property
+    def target(self) -> str:
+        """Address a client on this host dials."""
+        host = self.config.listen.rpartition(":")[0].strip("[]")
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def server_info(self) -> pb.ServerInfo:
+        c = self.config
+        return pb.ServerInfo(
+            producer_epoch=self.epoch,
+            version=__version__,
+            pool_bytes=self.pool.pool_bytes,
+            pool_free_bytes=self.pool.free_bytes,
+            max_chunk_bytes=c.max_chunk_bytes,
+            unbound_store_timeout_s=c.unbound_store_timeout_s,
+            tombstone_retention_s=c.tombstone_retention_s,
+            consumer_load_timeout_s=c.consumer_load_timeout_s,
+            max_lease_s=c.max_lease_s,
+            max_fetch_wait_s=c.max_fetch_wait_s,
+        )
+
+    async def _reap_forever(self) -> None:
+        """Reaper passes at least every reap_interval_s, sooner when a lease ends sooner."""
+        interval = self.config.reap_interval_s
+        clock = self.lot.clock
+        while True:
+            reaped = self.lot.reap()
+            if reaped:
+                log.info("reaped", extra={"kv": {"ids": len(reaped)}})
+            nxt = self.lot.next_lease_deadline()
+            delay = interval if nxt is None else min(interval, max(0.0, nxt - clock()))
+            self._reap_now.clear()
+            try:
+                await asyncio.wait_for(self._reap_now.wait(), delay)
+            except TimeoutError:
+                pass
+
+    def reap_soon(self) -> None:
+        """Runs a reaper pass now (after a fake clock moved, in tests)."""
+        self._reap_now.set()
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Spec §3 shutdown: NOT_SERVING, refuse Parks, drain bound Fetches, fail the rest."""
+        if self._server is None or self._stopped.is_set():
+            return
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        self.lot.begin_shutdown()
+        deadline = time.monotonic() + grace
+        while self.lot.bound_count and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        remaining = self.lot.bound_count
+        failed = self.lot.fail_all()
+        log.info(
+            "shutting down",
+            extra={"kv": {"undrained_fetches": remaining, "ids_failed": failed}},
+        )
+        # The failed Fetches were woken and send their TransferDone; give them a moment.
+        await self._server.stop(1.0)
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self.metrics.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ProducerConfig) -> int:
+    """Runs a producer until SIGTERM or SIGINT, shuts it down gracefully, returns 0."""
+    server = ProducerServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received, draining", extra={"kv": {"grace_s": config.shutdown_grace_s}})
+    await server.shutdown()
+    return 0

@@ -1,0 +1,27 @@
+"""CRC32C (Castagnoli) of chunk payloads, the checksum the contract carries in `Chunk.crc32c`.
+
+Uses the `crc32c` package, which picks the CPU's CRC32C instruction (SSE4.2 / ARMv8) at
+~17 GB/s; a checksum that costs less than a memcpy can stay on the hot path. Accepts anything
+with the buffer protocol, including memoryviews of the pool and numpy arrays, without copying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import crc32c as _crc32c
+
+HARDWARE_ACCELERATED: bool = bool(_crc32c.hardware_based)
+
+
+def crc32c_of(data: bytes | bytearray | memoryview) -> int:
+    """CRC32C of one buffer."""
+    return int(_crc32c.crc32c(data))
+
+
+def crc32c_of_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """CRC32C of the concatenation of `parts`, without concatenating them."""
+    value = 0
+    for part in parts:
+        value = _crc32c.crc32c(part, value=value)
+    return int(value)

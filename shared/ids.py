@@ -1,0 +1,43 @@
+"""Validation of `kv_request_id`, the key both sides and the router share.
+
+Spec §1: a UTF-8 string of 1-256 bytes with no control characters. Checked at every entry
+point (producer handlers, client calls) so that a bad id is a clear INVALID_ARGUMENT / ValueError
+instead of a record nobody can name in a log line.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+MAX_ID_BYTES = 256
+
+
+def id_problem(kv_request_id: object) -> str | None:
+    """Returns what is wrong with `kv_request_id`, or None when it is valid."""
+    if not isinstance(kv_request_id, str):
+        return f"kv_request_id must be a string, got {type(kv_request_id).__name__}"
+    if not kv_request_id:
+        return "kv_request_id is empty"
+    size = len(kv_request_id.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_ID_BYTES:
+        return f"kv_request_id is {size} bytes, more than {MAX_ID_BYTES}"
+    for ch in kv_request_id:
+        # Cc = control characters (C0, DEL, C1); Cs = lone surrogates that are not UTF-8.
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            return f"kv_request_id contains control character {ch!r}"
+    return None
+
+
+def check_id(kv_request_id: object) -> str:
+    """Returns the id unchanged, or raises ValueError saying what is wrong with it."""
+    problem = id_problem(kv_request_id)
+    if problem is not None:
+        raise ValueError(problem)
+    assert isinstance(kv_request_id, str)
+    return kv_request_id
+
+
+def printable_id(kv_request_id: str, limit: int = 80) -> str:
+    """A log-safe rendering: repr (escapes anything odd) cut to `limit` characters."""
+    text = repr(kv_request_id)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

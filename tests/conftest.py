@@ -1,0 +1,186 @@
+"""Shared fixtures: real producers on port 0 (in-process or as a subprocess) and a fake clock.
+
+Tests build real objects (no stubs that bypass constructors) and wait for conditions with
+`wait_until`, never for time to pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from producer_service.config import ProducerConfig
+from producer_service.server import ProducerServer
+from shared.pb import kvpark_pb2 as pb
+from shared.pb import kvpark_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+# Small, fast settings every test producer starts from; tests override what they exercise.
+TEST_SETTINGS: dict[str, Any] = {
+    "listen": "127.0.0.1:0",
+    "metrics_listen": "",
+    "pool_bytes": 64 * MiB,
+    "max_chunk_bytes": 4 * MiB,
+    "unbound_store_timeout_s": 60,
+    "tombstone_retention_s": 60,
+    "consumer_load_timeout_s": 30,
+    "max_fetch_wait_s": 10,
+    "reap_interval_s": 0.05,
+    "shutdown_grace_s": 2,
+}
+
+
+@dataclass
+class FakeClock:
+    """A monotonic clock tests move by hand."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_config(**overrides: Any) -> ProducerConfig:
+    return ProducerConfig.from_mapping({**TEST_SETTINGS, **overrides})
+
+
+@asynccontextmanager
+async def running_producer(
+    clock: Callable[[], float] = time.monotonic, **overrides: Any
+) -> AsyncIterator[ProducerServer]:
+    server = ProducerServer(make_config(**overrides), clock=clock)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.shutdown(grace_s=0)
+
+
+def channel_options(max_bytes: int = 64 * MiB) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max_bytes),
+    ]
+
+
+@asynccontextmanager
+async def stub_for(server: ProducerServer) -> AsyncIterator[pb_grpc.KVProducerStub]:
+    """A client built from the ordinary generated stubs, as any other language would."""
+    async with grpc.aio.insecure_channel(server.target, options=channel_options()) as channel:
+        yield pb_grpc.KVProducerStub(channel)
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    """Polls `predicate` until it returns something truthy; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(0.01)
+
+
+def park_requests(kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0,
+                  crc: bool = True) -> list[pb.ParkRequest]:
+    from shared.checksum import crc32c_of
+
+    msgs = [pb.ParkRequest(header=pb.ParkHeader(kv_request_id=kid, total_chunks=total,
+                                                batch_bytes=batch_bytes))]
+    for cid, data in chunks.items():
+        msgs.append(pb.ParkRequest(chunk=pb.Chunk(chunk_id=cid, data=data,
+                                                  crc32c=crc32c_of(data) if crc else 0)))
+    return msgs
+
+
+async def park(stub: pb_grpc.KVProducerStub, kid: str, chunks: dict[int, bytes], **kw: Any) -> pb.ParkResponse:
+    return await stub.Park(iter(park_requests(kid, chunks, **kw)))
+
+
+async def fetch_all(stub: pb_grpc.KVProducerStub, kid: str, **kw: Any) -> list[pb.FetchResponse]:
+    return [m async for m in stub.Fetch(pb.FetchRequest(kv_request_id=kid, **kw))]
+
+
+async def state_of(stub: pb_grpc.KVProducerStub, kid: str) -> pb.IdState:
+    reply = await stub.Lookup(pb.LookupRequest(kv_request_ids=[kid]))
+    return reply.states[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ProducerProcess:
+    """A producer running as `python -m producer_service` (for signals and SIGKILL)."""
+
+    proc: subprocess.Popen[str]
+    target: str
+    metrics_port: int
+    log: list[str] = field(default_factory=list)
+
+
+def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
+    port, metrics_port = free_port(), free_port()
+    settings = {**TEST_SETTINGS, "listen": f"127.0.0.1:{port}",
+                "metrics_listen": f"127.0.0.1:{metrics_port}", **overrides}
+    args = [sys.executable, "-m", "producer_service"]
+    for key, value in settings.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path)
+    target = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    with grpc.insecure_channel(target) as channel:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"producer exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.2)
+                break
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise
+    return ProducerProcess(proc, target, metrics_port)
+
+
+@pytest.fixture
+def producer_process(tmp_path: Path) -> Iterator[Callable[..., ProducerProcess]]:
+    started: list[ProducerProcess] = []
+
+    def start(**overrides: Any) -> ProducerProcess:
+        p = start_producer_process(tmp_path, **overrides)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+        p.proc.wait(timeout=10)
+        if p.proc.stdout:
+            p.proc.stdout.close()
