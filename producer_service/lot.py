@@ -46,6 +46,8 @@ from .pool import HostPool, Reservation, SlotHandle
 
 Clock = Callable[[], float]
 Notify = Callable[[], None]
+# A value of the contract's FailureReason enum.
+Reason = pb.FailureReason
 
 # Reasons (values of the contract's FailureReason enum).
 REAPED = pb.REASON_REAPED
@@ -65,7 +67,7 @@ CHECKSUM_MISMATCH = pb.REASON_CHECKSUM_MISMATCH
 _HEAP_SLACK = 1024
 
 
-def reason_name(reason: int) -> str:
+def reason_name(reason: Reason) -> str:
     return str(pb.FailureReason.Name(reason)) if reason else "REASON_UNSPECIFIED"
 
 
@@ -89,7 +91,7 @@ class LotSettings:
 class Refusal:
     """A call answered FAILED with a reason, nothing stored or bound."""
 
-    reason: int
+    reason: Reason
     detail: str
     retry_after_s: float = 0.0
     # True when the refusal came from a tombstone (a late Park or Fetch).
@@ -181,8 +183,8 @@ class ParkDone:
 @dataclass(frozen=True, slots=True)
 class IdStatus:
     kv_request_id: str
-    state: int  # pb.State value
-    reason: int = 0
+    state: pb.State
+    reason: Reason = pb.REASON_UNSPECIFIED
     chunks_parked: int = 0
     total_chunks: int = 0
     nbytes: int = 0
@@ -192,7 +194,7 @@ class IdStatus:
 
 @dataclass(slots=True)
 class _Tombstone:
-    reason: int
+    reason: Reason
     at: float
 
 
@@ -567,9 +569,14 @@ class Lot:
             state = pb.STATE_BOUND if entry.binding is not None else pb.STATE_PARKED
             since = entry.first_chunk_at if entry.first_chunk_at is not None else entry.created_at
             return IdStatus(
-                kid, state, 0, len(entry.chunks), entry.total_chunks, entry.nbytes,
-                now - since, self._lease_remaining(entry, now),
-            )  # fmt: skip
+                kid,
+                state,
+                chunks_parked=len(entry.chunks),
+                total_chunks=entry.total_chunks,
+                nbytes=entry.nbytes,
+                age_s=now - since,
+                lease_remaining_s=self._lease_remaining(entry, now),
+            )
         tomb = self._tombstones.get(kid)
         if tomb is not None:
             return IdStatus(kid, pb.STATE_TOMBSTONED, tomb.reason, age_s=now - tomb.at)
@@ -645,7 +652,7 @@ class Lot:
         return self._leases[0][0] if self._leases else None
 
     # ================================================================================ Endings
-    def _end_entry(self, entry: _Entry, reason: int) -> None:
+    def _end_entry(self, entry: _Entry, reason: Reason) -> None:
         """Frees an id's memory, fails what is attached to it, and tombstones it."""
         now = self.clock()
         for batch in list(entry.open_batches):
@@ -698,7 +705,7 @@ class Lot:
         """New Parks and Fetches are refused SHUTTING_DOWN; bound Fetches go on."""
         self._shutting_down = True
 
-    def fail_all(self, reason: int = SHUTTING_DOWN) -> int:
+    def fail_all(self, reason: Reason = SHUTTING_DOWN) -> int:
         """Ends every live id with `reason` (what remains after the shutdown grace)."""
         entries = list(self._entries.values())
         for entry in entries:

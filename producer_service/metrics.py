@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .lot import Lot, reason_name
+from .lot import Lot, Reason, reason_name
 
 # Latency buckets from 100 µs (a one-RTT rejection) to minutes (a fetch that waited for data).
 _SECONDS_BUCKETS = (
@@ -104,18 +104,20 @@ class ProducerMetrics:
             registry=r,
         )
 
-    def count_park(self, reason: int) -> None:
+    def count_park(self, reason: Reason) -> None:
         status, label = _labels(reason)
         self.park_total.labels(status, label).inc()
 
-    def count_fetch(self, reason: int) -> None:
+    def count_fetch(self, reason: Reason) -> None:
         status, label = _labels(reason)
         self.fetch_total.labels(status, label).inc()
 
     def serve(self, address: str) -> int:
         """Starts the /metrics HTTP endpoint on `address` ("host:port"); returns the port."""
         host, _, port = address.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        server, _thread = start_http_server(
+            int(port), addr=host.strip("[]"), registry=self.registry
+        )
         self._http = server
         return int(server.server_address[1])
 
@@ -126,7 +128,7 @@ class ProducerMetrics:
             http.server_close()
 
 
-def _labels(reason: int) -> tuple[str, str]:
+def _labels(reason: Reason) -> tuple[str, str]:
     """(status, reason) label values: reason 0 means the call succeeded."""
     if reason == 0:
         return "ok", "none"

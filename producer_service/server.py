@@ -10,6 +10,7 @@ SHUTTING_DOWN — and returns exit code 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import signal
@@ -93,7 +94,9 @@ class ProducerServer:
 
     # ---------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        server = grpc.aio.server(options=_grpc_options(self.config), interceptors=self._interceptors())
+        server = grpc.aio.server(
+            options=_grpc_options(self.config), interceptors=self._interceptors()
+        )
         server.add_generic_rpc_handlers([method_handlers(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -169,10 +172,8 @@ class ProducerServer:
             nxt = self.lot.next_lease_deadline()
             delay = interval if nxt is None else min(interval, max(0.0, nxt - clock()))
             self._reap_now.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reap_now.wait(), delay)
-            except TimeoutError:
-                pass
 
     def reap_soon(self) -> None:
         """Runs a reaper pass now (after a fake clock moved, in tests)."""

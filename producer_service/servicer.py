@@ -25,8 +25,8 @@ import grpc
 from shared import wire
 from shared.ids import id_problem, printable_id
 from shared.pb import kvpark_pb2 as pb
-from shared.version import __version__
 
+from .logs import LOGGER_NAME, RateLimitedWarnings
 from .lot import (
     FetchEnd,
     FetchWait,
@@ -37,7 +37,6 @@ from .lot import (
     Refusal,
     reason_name,
 )
-from .logs import LOGGER_NAME, RateLimitedWarnings
 from .metrics import ProducerMetrics
 
 SERVICE_NAME = "kvpark.v1.KVProducer"
@@ -82,7 +81,9 @@ class KVProducerServicer:
                 message = await _parse_park(context, raw)
                 if not isinstance(message, wire.ChunkView):
                     self._lot.abort_park(batch)
-                    await _invalid(context, "ParkHeader repeated: only the first message may be a header")
+                    await _invalid(
+                        context, "ParkHeader repeated: only the first message may be a header"
+                    )
                 if len(message.data) > self._max_chunk_bytes:
                     self._lot.abort_park(batch)
                     await _invalid(
@@ -106,7 +107,7 @@ class KVProducerServicer:
             self._lot.abort_park(batch)
         if isinstance(done, Refusal):
             return self._park_failed(done)
-        self._metrics.count_park(0)
+        self._metrics.count_park(pb.REASON_UNSPECIFIED)
         return pb.ParkResponse(
             status=pb.STATUS_OK,
             chunks_parked=done.chunks_parked,
@@ -169,7 +170,7 @@ class KVProducerServicer:
             self._lot.cancel_fetch(binding)
 
     def _fetch_done(self, end: FetchEnd, started: float) -> bytes:
-        reason = end.refusal.reason if end.refusal is not None else 0
+        reason = end.refusal.reason if end.refusal is not None else pb.REASON_UNSPECIFIED
         self._metrics.count_fetch(reason)
         self._metrics.fetch_duration_seconds.observe(time.monotonic() - started)
         done = pb.TransferDone(
@@ -240,8 +241,8 @@ async def _valid_id(context: Any, kid: str) -> str:
     return kid
 
 
-async def _valid_ids(context: Any, ids: Any) -> list[str]:
-    ids = list(ids)
+async def _valid_ids(context: Any, raw_ids: Any) -> list[str]:
+    ids: list[str] = list(raw_ids)
     if not ids:
         await _invalid(context, "kv_request_ids is empty")
     if len(ids) > MAX_IDS_PER_CALL:

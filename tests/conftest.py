@@ -101,19 +101,28 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: 
         await asyncio.sleep(0.01)
 
 
-def park_requests(kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0,
-                  crc: bool = True) -> list[pb.ParkRequest]:
+def park_requests(
+    kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0, crc: bool = True
+) -> list[pb.ParkRequest]:
     from shared.checksum import crc32c_of
 
-    msgs = [pb.ParkRequest(header=pb.ParkHeader(kv_request_id=kid, total_chunks=total,
-                                                batch_bytes=batch_bytes))]
+    msgs = [
+        pb.ParkRequest(
+            header=pb.ParkHeader(kv_request_id=kid, total_chunks=total, batch_bytes=batch_bytes)
+        )
+    ]
     for cid, data in chunks.items():
-        msgs.append(pb.ParkRequest(chunk=pb.Chunk(chunk_id=cid, data=data,
-                                                  crc32c=crc32c_of(data) if crc else 0)))
+        msgs.append(
+            pb.ParkRequest(
+                chunk=pb.Chunk(chunk_id=cid, data=data, crc32c=crc32c_of(data) if crc else 0)
+            )
+        )
     return msgs
 
 
-async def park(stub: pb_grpc.KVProducerStub, kid: str, chunks: dict[int, bytes], **kw: Any) -> pb.ParkResponse:
+async def park(
+    stub: pb_grpc.KVProducerStub, kid: str, chunks: dict[int, bytes], **kw: Any
+) -> pb.ParkResponse:
     return await stub.Park(iter(park_requests(kid, chunks, **kw)))
 
 
@@ -144,20 +153,26 @@ class ProducerProcess:
 
 def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
     port, metrics_port = free_port(), free_port()
-    settings = {**TEST_SETTINGS, "listen": f"127.0.0.1:{port}",
-                "metrics_listen": f"127.0.0.1:{metrics_port}", **overrides}
+    settings = {
+        **TEST_SETTINGS,
+        "listen": f"127.0.0.1:{port}",
+        "metrics_listen": f"127.0.0.1:{metrics_port}",
+        **overrides,
+    }
     args = [sys.executable, "-m", "producer_service"]
     for key, value in settings.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"producer exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+                output = proc.stdout.read() if proc.stdout else ""
+                raise AssertionError(f"producer exited {proc.returncode}: {output}")
             try:
                 grpc.channel_ready_future(channel).result(timeout=0.2)
                 break

@@ -1,0 +1,125 @@
+"""The producer as a real process: configuration errors exit 2 on one line, SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import ProducerProcess
+
+from producer_service.config import KEYS
+from shared.checksum import crc32c_of
+from shared.pb import kvpark_pb2 as pb
+from shared.pb import kvpark_pb2_grpc as pb_grpc
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "producer_service", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "shown"),
+    [
+        (["--unbound-store-timeout-s", "abc"], "unbound_store_timeout_s", "'abc'"),
+        (["--tombstone-retention-s", "0"], "tombstone_retention_s", "0"),
+        (["--unbound-store-timeout-s", "nan"], "unbound_store_timeout_s", "nan"),
+        (["--max-lease-s", "inf"], "max_lease_s", "inf"),
+        (["--unbound-store-timeout-s", "604801"], "unbound_store_timeout_s", "604801"),
+        (
+            ["--tombstone-retention-s", "30", "--consumer-load-timeout-s", "30"],
+            "tombstone_retention_s",
+            "30",
+        ),
+        (["--pool-bytes", "lots"], "pool_bytes", "'lots'"),
+    ],
+)
+def test_bad_flag_exits_2_naming_the_key(args: list[str], key: str, shown: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert key in lines[0] and shown in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("document", "key", "shown"),
+    [
+        ({"unbound_store_timeout_s": True}, "unbound_store_timeout_s", "True"),
+        ({"unbound_store_timeout_s": None}, "unbound_store_timeout_s", "None"),
+        ({"unbound_store_timout_s": 5}, "unbound_store_timout_s", ""),
+        ({"tombstone_retention_s": 10}, "tombstone_retention_s", "10"),
+    ],
+)
+def test_bad_config_file_exits_2_naming_the_key(
+    tmp_path: Path, document: dict[str, object], key: str, shown: str
+) -> None:
+    path = tmp_path / "kvpark.json"
+    path.write_text(json.dumps(document))
+    result = run_cli("--config", str(path))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert "\n" not in line and key in line and shown in line
+
+
+def test_help_documents_every_key() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for key in KEYS:
+        assert "--" + key.replace("_", "-") in result.stdout, key
+
+
+def test_seconds_as_string_accepted_and_served(producer_process) -> None:  # type: ignore[no-untyped-def]
+    producer: ProducerProcess = producer_process(unbound_store_timeout_s='"180"'.strip('"'))
+    with grpc.insecure_channel(producer.target) as channel:
+        info = pb_grpc.KVProducerStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+    assert info.unbound_store_timeout_s == 180.0
+
+
+def test_bad_env_value_exits_2_naming_the_key() -> None:
+    import os
+
+    env = {**os.environ, "KVPARK_UNBOUND_STORE_TIMEOUT_S": "abc"}
+    result = run_cli(env=env)
+    assert result.returncode == 2
+    assert "unbound_store_timeout_s" in result.stderr and "'abc'" in result.stderr
+
+
+def test_sigterm_during_bound_fetch_drains_it_and_exits_0(producer_process) -> None:  # type: ignore[no-untyped-def]
+    producer: ProducerProcess = producer_process(shutdown_grace_s=20, pool_bytes="128MiB")
+    chunk = 1024 * 1024
+    payload = {i: bytes([i]) * chunk for i in range(40)}
+    with grpc.insecure_channel(
+        producer.target, options=[("grpc.max_receive_message_length", 8 * chunk)]
+    ) as channel:
+        stub = pb_grpc.KVProducerStub(channel)
+        requests = [pb.ParkRequest(header=pb.ParkHeader(kv_request_id="d", total_chunks=40))]
+        requests += [
+            pb.ParkRequest(chunk=pb.Chunk(chunk_id=i, data=d, crc32c=crc32c_of(d)))
+            for i, d in payload.items()
+        ]
+        assert stub.Park(iter(requests)).status == pb.STATUS_OK
+        stream = stub.Fetch(pb.FetchRequest(kv_request_id="d"))
+        assert next(stream).chunk.data == payload[0]  # bound; the rest is in flight
+        producer.proc.send_signal(signal.SIGTERM)
+        # Parks are refused from now on, but the bound fetch is drained to the end.
+        rest = list(stream)
+    assert [m.chunk.data for m in rest[:-1]] == [payload[i] for i in range(1, 40)]
+    assert rest[-1].done.status == pb.STATUS_OK
+    assert producer.proc.wait(timeout=30) == 0
+    assert producer.proc.stdout is not None
+    log = producer.proc.stdout.read()
+    assert "signal received" in log and "undrained_fetches=0" in log

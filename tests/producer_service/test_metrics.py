@@ -1,0 +1,114 @@
+"""/metrics over real HTTP reflects a park, a fetch, a reap and a late-fetch rejection."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+from conftest import FakeClock, fetch_all, park, running_producer, stub_for, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer_service.metrics import ProducerMetrics
+from shared.pb import kvpark_pb2 as pb
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+async def get_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return await asyncio.to_thread(scrape, port)
+
+
+async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
+    clock = FakeClock()
+    async with running_producer(
+        clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
+    ) as server, stub_for(server) as stub:
+        m = await get_metrics(server.metrics_port)
+        assert m[("kvpark_pool_bytes", ())] == server.pool.pool_bytes
+        assert m[("kvpark_pool_used_bytes", ())] == 0
+        assert ("kvpark_late_fetch_rejections_total", ()) in m
+
+        await park(stub, "served", {0: b"s" * 1000}, total=1)
+        await park(stub, "doomed", {0: b"d" * 2000}, total=1)
+        m = await get_metrics(server.metrics_port)
+        assert m[("kvpark_park_total", (("reason", "none"), ("status", "ok")))] == 2
+        assert m[("kvpark_parked_ids", ())] == 2
+        assert m[("kvpark_parked_bytes_total", ())] == 3000
+        assert m[("kvpark_pool_used_bytes", ())] > 0
+
+        await fetch_all(stub, "served")
+        clock.advance(5)
+        await fetch_all(stub, "never-parked", wait_timeout_s=0.01)
+        clock.advance(1)
+        server.reap_soon()
+        await wait_until(lambda: server.lot.statistics().reaped_total == 1)
+        await fetch_all(stub, "doomed")  # late: answered from the tombstone
+
+        m = await get_metrics(server.metrics_port)
+        assert m[("kvpark_fetch_total", (("reason", "none"), ("status", "ok")))] == 1
+        assert m[("kvpark_fetch_total", (("reason", "reaped"), ("status", "failed")))] == 1
+        assert (
+            m[("kvpark_fetch_total", (("reason", "wait_timeout"), ("status", "failed")))] == 1
+        )
+        assert m[("kvpark_reaped_total", ())] == 1
+        assert m[("kvpark_late_fetch_rejections_total", ())] == 1
+        assert m[("kvpark_sent_bytes_total", ())] == 1000
+        assert m[("kvpark_tombstones", ())] == 2
+        assert m[("kvpark_parked_ids", ())] == 0 and m[("kvpark_pool_used_bytes", ())] == 0
+        assert m[("kvpark_fetch_duration_seconds_count", ())] == 3
+        assert m[("kvpark_time_to_fetch_seconds_count", ())] == 1
+
+
+async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> None:
+    clock = FakeClock()
+    async with running_producer(
+        clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
+    ) as server, stub_for(server) as stub:
+        await park(stub, "noisy", {0: b"n"}, total=1)
+        clock.advance(6)
+        server.reap_soon()
+        await wait_until(lambda: server.lot.statistics().reaped_total == 1)
+        for _ in range(20):
+            await fetch_all(stub, "noisy")
+        m = await get_metrics(server.metrics_port)
+        assert m[("kvpark_late_fetch_rejections_total", ())] == 20
+        # The first late fetch is logged; the other 19 for the same id are counted instead.
+        assert m[("kvpark_suppressed_warnings_total", (("kind", "late_fetch"),))] == 19
+
+
+def test_documented_metric_names_exist() -> None:
+    """The names operators alert on (the issue's list) are all exported."""
+    from producer_service.lot import Lot, LotSettings
+    from producer_service.pool import HostPool
+
+    lot = Lot(HostPool(1 << 20), LotSettings(), epoch=1, clock=lambda: 0.0)
+    metrics = ProducerMetrics(lot)
+    metrics.count_fetch(pb.REASON_UNSPECIFIED)
+    metrics.count_park(pb.REASON_UNSPECIFIED)
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    for name in [
+        "kvpark_pool_bytes",
+        "kvpark_pool_used_bytes",
+        "kvpark_parked_ids",
+        "kvpark_bound_ids",
+        "kvpark_tombstones",
+        "kvpark_park_total",
+        "kvpark_fetch_total",
+        "kvpark_late_fetch_rejections_total",
+        "kvpark_reaped_total",
+        "kvpark_parked_bytes_total",
+        "kvpark_sent_bytes_total",
+        "kvpark_fetch_duration_seconds_bucket",
+        "kvpark_time_to_fetch_seconds_bucket",
+    ]:
+        assert f"\n{name}" in text, name

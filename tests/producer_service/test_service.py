@@ -1,0 +1,405 @@
+"""End to end over a real grpc.aio producer on port 0, driven with the ordinary generated stubs
+(so the hand-built data path is proven byte-compatible with any language's client)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import grpc
+import pytest
+from conftest import (
+    FakeClock,
+    MiB,
+    fetch_all,
+    park,
+    park_requests,
+    running_producer,
+    state_of,
+    stub_for,
+    wait_until,
+)
+
+from shared.checksum import crc32c_of
+from shared.pb import kvpark_pb2 as pb
+
+
+def chunks_of(n: int, size: int = 64 * 1024) -> dict[int, bytes]:
+    return {i: os.urandom(size + i) for i in range(n)}
+
+
+def late_fetches(server) -> int:  # type: ignore[no-untyped-def]
+    return server.lot.statistics().late_fetch_rejections_total
+
+
+async def test_happy_path_bytes_identical_in_requested_order_and_pool_freed() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        data = chunks_of(5, 300_000)
+        reply = await park(stub, "req-1", data, total=5)
+        assert reply.status == pb.STATUS_OK and reply.chunks_parked == 5
+        assert reply.producer_epoch == server.epoch and reply.lease_remaining_s > 50
+        order = [3, 0, 4, 1, 2]
+        msgs = await fetch_all(stub, "req-1", chunk_ids=order, expected_epoch=server.epoch)
+        assert [m.chunk.chunk_id for m in msgs[:-1]] == order
+        assert [m.chunk.data for m in msgs[:-1]] == [data[i] for i in order]
+        assert all(m.chunk.crc32c == crc32c_of(data[m.chunk.chunk_id]) for m in msgs[:-1])
+        done = msgs[-1].done
+        assert done.status == pb.STATUS_OK
+        assert done.chunks_sent == 5 and done.bytes_sent == sum(map(len, data.values()))
+        assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
+        state = await state_of(stub, "req-1")
+        assert (state.state, state.reason) == (pb.STATE_TOMBSTONED, pb.REASON_ALREADY_CONSUMED)
+
+
+async def test_fetch_all_chunks_when_chunk_ids_empty() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        data = chunks_of(3)
+        await park(stub, "all", data, total=3)
+        msgs = await fetch_all(stub, "all")
+        assert [m.chunk.data for m in msgs[:-1]] == [data[0], data[1], data[2]]
+        assert msgs[-1].done.status == pb.STATUS_OK
+
+
+async def test_reference_scenario_late_fetch_after_reap_answered_at_once() -> None:
+    """park -> lease runs out -> reaped -> late Fetch: one TransferDone{FAILED, REAPED}."""
+    clock = FakeClock()
+    async with running_producer(clock=clock, unbound_store_timeout_s=5) as server:
+        async with stub_for(server) as stub:
+            await park(stub, "late", chunks_of(2), total=2)
+            clock.advance(5.01)
+            server.reap_soon()
+            await wait_until(
+                lambda: server.lot.statistics().reaped_total == 1, what="the reaper pass"
+            )
+            assert server.pool.statistics().used_bytes == 0
+            before = late_fetches(server)
+            # A Park between the reap and the late fetch is refused at once, nothing stored.
+            refused = await park(stub, "late", chunks_of(1), total=2)
+            assert (refused.status, refused.reason) == (pb.STATUS_FAILED, pb.REASON_REAPED)
+            assert server.pool.statistics().used_bytes == 0
+
+            started = time.monotonic()
+            call = stub.Fetch(pb.FetchRequest(kv_request_id="late"))
+            msgs = [m async for m in call]
+            elapsed = time.monotonic() - started
+            # The path, not only the result: the producer ended the stream itself with one
+            # TransferDone, the client never cancelled, the call finished OK.
+            assert len(msgs) == 1 and msgs[0].WhichOneof("kind") == "done"
+            assert (msgs[0].done.status, msgs[0].done.reason) == (
+                pb.STATUS_FAILED,
+                pb.REASON_REAPED,
+            )
+            assert await call.code() == grpc.StatusCode.OK
+            assert not call.cancelled()
+            assert late_fetches(server) == before + 1
+            assert elapsed < 0.5, f"late fetch took {elapsed:.3f}s"  # load timeout is 30 s
+            state = await state_of(stub, "late")
+            assert state.state == pb.STATE_TOMBSTONED  # the late fetch did not bind the id
+
+
+async def test_tombstones_pruned_after_retention_and_at_cap() -> None:
+    clock = FakeClock()
+    async with running_producer(
+        clock=clock,
+        unbound_store_timeout_s=1,
+        tombstone_retention_s=40,
+        consumer_load_timeout_s=30,
+        max_tombstones=3,
+    ) as server, stub_for(server) as stub:
+        for i in range(5):
+            await park(stub, f"t{i}", chunks_of(1), total=1)
+        clock.advance(1.5)
+        server.reap_soon()
+        await wait_until(lambda: server.lot.statistics().reaped_total == 5)
+        assert server.lot.statistics().tombstones == 3  # the cap drops the oldest
+        assert (await state_of(stub, "t0")).state == pb.STATE_UNKNOWN
+        assert (await state_of(stub, "t4")).state == pb.STATE_TOMBSTONED
+        clock.advance(41)  # past retention, and nothing is parked any more
+        server.reap_soon()
+        await wait_until(lambda: server.lot.statistics().tombstones == 0)
+        assert (await state_of(stub, "t4")).state == pb.STATE_UNKNOWN
+
+
+async def test_fetch_before_park_streams_chunks_as_they_arrive() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        data = chunks_of(3)
+        call = stub.Fetch(pb.FetchRequest(kv_request_id="early", wait_timeout_s=10))
+        received: list[pb.FetchResponse] = []
+
+        async def consume() -> None:
+            async for m in call:
+                received.append(m)
+
+        consumer = asyncio.create_task(consume())
+        await wait_until(lambda: server.lot.bound_count == 1, what="the fetch to bind")
+        assert (await state_of(stub, "early")).state == pb.STATE_BOUND
+        await park(stub, "early", {0: data[0]}, total=3)
+        await wait_until(lambda: len(received) == 1, what="chunk 0 streamed before the rest")
+        await park(stub, "early", {1: data[1], 2: data[2]})
+        await asyncio.wait_for(consumer, 10)
+        assert [m.chunk.data for m in received[:-1]] == [data[0], data[1], data[2]]
+        assert received[-1].done.status == pb.STATUS_OK
+        server.lot.check_invariants()
+
+
+async def test_fetch_wait_timeout_when_chunks_never_come() -> None:
+    async with running_producer(max_fetch_wait_s=0.3) as server, stub_for(server) as stub:
+        await park(stub, "partial", {0: b"x" * 1000}, total=2)
+        started = time.monotonic()
+        msgs = await fetch_all(stub, "partial", wait_timeout_s=60)  # capped by max_fetch_wait_s
+        assert time.monotonic() - started < 5
+        assert msgs[0].chunk.chunk_id == 0
+        assert (msgs[-1].done.status, msgs[-1].done.reason) == (
+            pb.STATUS_FAILED,
+            pb.REASON_WAIT_TIMEOUT,
+        )
+        assert msgs[-1].done.chunks_sent == 1
+        assert (await state_of(stub, "partial")).state == pb.STATE_PARKED
+
+
+async def test_second_fetch_already_bound_and_cancel_returns_to_parked_with_old_lease() -> None:
+    clock = FakeClock()
+    async with running_producer(clock=clock, unbound_store_timeout_s=10) as server:
+        async with stub_for(server) as stub:
+            await park(stub, "b", {0: b"a" * 100}, total=2)  # chunk 1 missing: fetch waits
+            lease_before = (await state_of(stub, "b")).lease_remaining_s
+            call = stub.Fetch(pb.FetchRequest(kv_request_id="b", wait_timeout_s=30))
+            first = await call.read()
+            assert first.chunk.chunk_id == 0
+            assert (await state_of(stub, "b")).state == pb.STATE_BOUND
+            second = await fetch_all(stub, "b")
+            assert second[-1].done.reason == pb.REASON_ALREADY_BOUND and len(second) == 1
+            call.cancel()
+            await wait_until(
+                lambda: server.lot.bound_count == 0, what="the cancel to reach the producer"
+            )
+            state = await state_of(stub, "b")
+            assert state.state == pb.STATE_PARKED
+            assert state.lease_remaining_s == pytest.approx(lease_before)  # the old deadline
+            # A retry within the lease works once the rest is parked.
+            await park(stub, "b", {1: b"b" * 100})
+            msgs = await fetch_all(stub, "b")
+            assert msgs[-1].done.status == pb.STATUS_OK and len(msgs) == 3
+            # And a cancel after the lease ran out leaves the id to the next reaper pass.
+            await park(stub, "c", {0: b"c"}, total=2)
+            call = stub.Fetch(pb.FetchRequest(kv_request_id="c", wait_timeout_s=30))
+            await call.read()
+            clock.advance(11)
+            call.cancel()
+            await wait_until(lambda: server.lot.bound_count == 0)
+            server.reap_soon()
+            await wait_until(lambda: server.lot.statistics().reaped_total == 1)
+            assert (await state_of(stub, "c")).reason == pb.REASON_REAPED
+
+
+async def test_keepalive_extends_past_unbound_timeout_but_never_beyond_max_lease() -> None:
+    clock = FakeClock()
+    async with running_producer(clock=clock, unbound_store_timeout_s=10, max_lease_s=30) as server:
+        async with stub_for(server) as stub:
+            await park(stub, "k", {0: b"k" * 10}, total=1)
+            clock.advance(8)
+            reply = await stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=["k"], extend_s=10))
+            assert reply.states[0].state == pb.STATE_PARKED
+            assert reply.states[0].lease_remaining_s == pytest.approx(10)
+            clock.advance(9)  # 17 s after the first chunk: past unbound_store_timeout_s
+            assert server.lot.reap() == []  # a pass right now reaps nothing
+            assert (await state_of(stub, "k")).state == pb.STATE_PARKED
+            reply = await stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=["k"], extend_s=600))
+            assert reply.states[0].lease_remaining_s == pytest.approx(30 - 17)  # capped
+            clock.advance(13.01)
+            server.reap_soon()
+            await wait_until(lambda: server.lot.statistics().reaped_total == 1)
+            assert (await state_of(stub, "k")).reason == pb.REASON_REAPED
+
+
+async def test_keepalive_before_park_records_intent() -> None:
+    clock = FakeClock()
+    async with running_producer(clock=clock, unbound_store_timeout_s=10) as server:
+        async with stub_for(server) as stub:
+            reply = await stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=["i"], extend_s=50))
+            assert reply.states[0].state == pb.STATE_UNKNOWN
+            assert reply.states[0].lease_remaining_s == pytest.approx(50)
+            clock.advance(5)
+            await park(stub, "i", {0: b"i"}, total=1)
+            assert (await state_of(stub, "i")).lease_remaining_s == pytest.approx(45)
+
+
+async def test_release() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "r", chunks_of(2), total=2)
+        reply = await stub.Release(pb.ReleaseRequest(kv_request_id="r"))
+        assert reply.status == pb.STATUS_OK
+        assert server.pool.statistics().used_bytes == 0
+        again = await stub.Release(pb.ReleaseRequest(kv_request_id="r"))
+        assert (again.status, again.reason) == (pb.STATUS_FAILED, pb.REASON_RELEASED)
+        unknown = await stub.Release(pb.ReleaseRequest(kv_request_id="nope"))
+        assert unknown.reason == pb.REASON_UNKNOWN_ID
+        msgs = await fetch_all(stub, "r")
+        assert msgs[-1].done.reason == pb.REASON_RELEASED
+
+
+async def test_pool_full_with_retry_after_and_too_large() -> None:
+    async with running_producer(pool_bytes=8 * MiB, max_chunk_bytes=4 * MiB) as server:
+        async with stub_for(server) as stub:
+            big = await park(stub, "huge", {}, batch_bytes=9 * MiB)
+            assert (big.status, big.reason) == (pb.STATUS_FAILED, pb.REASON_TOO_LARGE)
+            await park(stub, "a", {0: b"a" * (3 * MiB), 1: b"b" * (3 * MiB)}, total=2)
+            declared = await park(stub, "b", {}, batch_bytes=3 * MiB)
+            assert (declared.status, declared.reason) == (pb.STATUS_FAILED, pb.REASON_POOL_FULL)
+            assert declared.retry_after_s > 0
+            # Undeclared batch that runs out of pool: all-or-nothing.
+            before = server.pool.statistics().used_bytes
+            undeclared = await park(stub, "c", {0: b"c" * MiB, 1: b"d" * (2 * MiB)}, total=2)
+            assert (undeclared.status, undeclared.reason) == (pb.STATUS_FAILED, pb.REASON_POOL_FULL)
+            assert undeclared.retry_after_s > 0
+            assert server.pool.statistics().used_bytes == before
+            assert (await state_of(stub, "c")).state == pb.STATE_UNKNOWN
+            server.lot.check_invariants()
+            # Memory frees -> parks succeed again.
+            await fetch_all(stub, "a")
+            ok = await park(stub, "c", {0: b"c" * MiB, 1: b"d" * (2 * MiB)}, total=2)
+            assert ok.status == pb.STATUS_OK
+
+
+async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "x", {0: b"same"}, total=3)
+        again = await park(stub, "x", {0: b"same", 1: b"new"})
+        assert again.status == pb.STATUS_OK and again.chunks_parked == 2
+        conflict = await park(stub, "x", {2: b"fine", 0: b"diff"})
+        assert (conflict.status, conflict.reason) == (pb.STATUS_FAILED, pb.REASON_CHUNK_CONFLICT)
+        assert (await state_of(stub, "x")).chunks_parked == 2  # chunk 2 of that batch undone
+        totals = await park(stub, "x", {}, total=4)
+        assert totals.reason == pb.REASON_CHUNK_CONFLICT
+        bad = park_requests("y", {0: b"payload"})
+        bad[1].chunk.crc32c ^= 1
+        reply = await stub.Park(iter(bad))
+        assert (reply.status, reply.reason) == (pb.STATUS_FAILED, pb.REASON_CHECKSUM_MISMATCH)
+        assert (await state_of(stub, "y")).state == pb.STATE_UNKNOWN
+        server.lot.check_invariants()
+
+
+async def test_epoch_mismatch_answered_at_once() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "e", {0: b"e"}, total=1)
+        msgs = await fetch_all(stub, "e", expected_epoch=server.epoch ^ 1)
+        assert len(msgs) == 1 and msgs[0].done.reason == pb.REASON_EPOCH_MISMATCH
+        assert (await state_of(stub, "e")).state == pb.STATE_PARKED
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ([], "empty Park stream"),
+        ([pb.ParkRequest(chunk=pb.Chunk(chunk_id=0, data=b"x"))], "first Park message"),
+        ([pb.ParkRequest(header=pb.ParkHeader(kv_request_id=""))], "empty"),
+        ([pb.ParkRequest(header=pb.ParkHeader(kv_request_id="a\nb"))], "control character"),
+        ([pb.ParkRequest(header=pb.ParkHeader(kv_request_id="x" * 257))], "257 bytes"),
+        ([pb.ParkRequest()], "neither header nor chunk"),
+        (
+            [
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
+            ],
+            "ParkHeader repeated",
+        ),
+        (
+            [
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h", total_chunks=2)),
+                pb.ParkRequest(chunk=pb.Chunk(chunk_id=2, data=b"x")),
+            ],
+            "out of range",
+        ),
+        (
+            [
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
+                pb.ParkRequest(chunk=pb.Chunk(chunk_id=0, data=b"")),
+            ],
+            "no data",
+        ),
+        (
+            [
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
+                pb.ParkRequest(chunk=pb.Chunk(chunk_id=0, data=b"x" * (4 * MiB + 1))),
+            ],
+            "max_chunk_bytes",
+        ),
+    ],
+)
+async def test_malformed_park_is_invalid_argument_and_stores_nothing(requests, message) -> None:  # type: ignore[no-untyped-def]
+    async with running_producer() as server, stub_for(server) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Park(iter(requests))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (err.value.details() or "")
+        assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
+
+
+async def test_malformed_fetch_keepalive_lookup_release_are_invalid_argument() -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "m", {0: b"m"}, total=1)
+        cases = [
+            (stub.Fetch, pb.FetchRequest(kv_request_id=""), "empty"),
+            (stub.Fetch, pb.FetchRequest(kv_request_id="m", chunk_ids=[0, 0]), "repeats"),
+            (stub.Fetch, pb.FetchRequest(kv_request_id="m", chunk_ids=[1]), "out of range"),
+            (stub.Fetch, pb.FetchRequest(kv_request_id="m", wait_timeout_s=-1), "wait_timeout_s"),
+            (stub.Fetch, pb.FetchRequest(kv_request_id="m", wait_timeout_s=float("nan")), "wait"),
+            (stub.KeepAlive, pb.KeepAliveRequest(), "empty"),
+            (stub.KeepAlive, pb.KeepAliveRequest(kv_request_ids=["m"], extend_s=-2), "extend_s"),
+            (stub.KeepAlive, pb.KeepAliveRequest(kv_request_ids=["\x00"]), "control"),
+            (stub.Lookup, pb.LookupRequest(kv_request_ids=["ok"] * 10_001), "at most"),
+            (stub.Release, pb.ReleaseRequest(kv_request_id="\x7f"), "control"),
+        ]
+        for method, request, message in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                result = method(request)
+                if hasattr(result, "__aiter__"):
+                    [m async for m in result]
+                else:
+                    await result
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+            assert message in (err.value.details() or ""), (request, err.value.details())
+        assert (await state_of(stub, "m")).state == pb.STATE_PARKED
+
+
+async def test_server_info_health_and_reflection() -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with running_producer(unbound_store_timeout_s=7) as server, stub_for(server) as stub:
+        info = await stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.producer_epoch == server.epoch != 0
+        assert info.unbound_store_timeout_s == 7 and info.tombstone_retention_s == 60
+        assert info.consumer_load_timeout_s == 30 and info.pool_bytes == 64 * MiB
+        assert info.pool_free_bytes == 64 * MiB and info.version
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(
+                health_pb2.HealthCheckRequest(service="kvpark.v1.KVProducer")
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            replies = [r async for r in refl.ServerReflectionInfo(iter([req]))]
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert "kvpark.v1.KVProducer" in names
+
+
+async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
+    async with running_producer(shutdown_grace_s=5) as server, stub_for(server) as stub:
+        await park(stub, "drain", {0: b"d" * 100}, total=2)
+        await park(stub, "parked", {0: b"p"}, total=1)
+        call = stub.Fetch(pb.FetchRequest(kv_request_id="drain", wait_timeout_s=30))
+        assert (await call.read()).chunk.chunk_id == 0
+        shutdown = asyncio.create_task(server.shutdown())
+        await wait_until(lambda: server.lot.statistics().shutting_down)
+        refused = await park(stub, "drain", {1: b"e" * 100})
+        assert refused.reason == pb.REASON_SHUTTING_DOWN
+        # The bound fetch cannot complete (chunk 1 refused): after the grace it is failed.
+        last = await call.read()
+        assert (last.done.status, last.done.reason) == (pb.STATUS_FAILED, pb.REASON_SHUTTING_DOWN)
+        await shutdown
+        assert server.pool.statistics().used_bytes == 0
