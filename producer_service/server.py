@@ -15,6 +15,7 @@ import logging
 import secrets
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from shared.pb import kvpark_pb2 as pb
 from shared.version import __version__
 
+from .auth import TokenAuthInterceptor
 from .config import ProducerConfig
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
@@ -55,6 +57,17 @@ def _grpc_options(config: ProducerConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         ("grpc.so_reuseport", 0),
     ]
+
+
+def _server_credentials(config: ProducerConfig) -> grpc.ServerCredentials:
+    """TLS from the configured files; a client CA makes client certificates mandatory (mTLS)."""
+    assert config.tls_cert_file and config.tls_key_file
+    key = Path(config.tls_key_file).read_bytes()
+    cert = Path(config.tls_cert_file).read_bytes()
+    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 class ProducerServer:
@@ -130,12 +143,24 @@ class ProducerServer:
         )
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return []
+        c = self.config
+        park, fetch = c.resolved_park_token(), c.resolved_fetch_token()
+        return [TokenAuthInterceptor(park, fetch)] if park or fetch else []
 
     def _bind(self, server: grpc.aio.Server) -> int:
-        port = server.add_insecure_port(self.config.listen)
+        c = self.config
+        if c.is_insecure_exposed:
+            log.warning(
+                "listening on a non-loopback address with neither TLS nor tokens "
+                "(allow_insecure is set): anyone who reaches it can read and write KV cache",
+                extra={"kv": {"listen": c.listen}},
+            )
+        if c.tls_enabled:
+            port = server.add_secure_port(c.listen, _server_credentials(c))
+        else:
+            port = server.add_insecure_port(c.listen)
         if port == 0:
-            raise OSError(f"listen: cannot bind {self.config.listen!r}")
+            raise OSError(f"listen: cannot bind {c.listen!r}")
         return int(port)
 
     @property

@@ -1,0 +1,118 @@
+"""Bearer tokens by role, checked before any handler runs (spec §6).
+
+Two roles: the prefill side holds `park_token` (Park, Release); the decode side holds
+`fetch_token` (Fetch, KeepAlive, Lookup). GetServerInfo takes either role's token. A role with
+no token configured is open. Tokens travel as the standard `authorization: Bearer <token>`
+metadata so proxies and other languages' clients need nothing special.
+
+Answers: no or unknown token -> UNAUTHENTICATED; a valid token of the other role ->
+PERMISSION_DENIED. Neither answer depends on the id or says anything about it (the interceptor
+runs before the request is even read). Comparisons are constant-time (`hmac.compare_digest`)
+against every configured token, so timing does not tell which token was close. Health and
+reflection stay open so orchestrators can probe.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import logging
+
+import grpc
+
+from .logs import LOGGER_NAME, RateLimitedWarnings
+from .servicer import SERVICE_NAME
+
+# Refused calls are logged (code and peer, never the token), at most once per peer per 10 s.
+_warnings = RateLimitedWarnings(logging.getLogger(LOGGER_NAME), on_suppressed=lambda kind: None)
+
+PARK_ROLE = "park"
+FETCH_ROLE = "fetch"
+
+# Method -> roles whose token is accepted.
+_METHOD_ROLES: dict[str, frozenset[str]] = {
+    "Park": frozenset({PARK_ROLE}),
+    "Release": frozenset({PARK_ROLE}),
+    "Fetch": frozenset({FETCH_ROLE}),
+    "KeepAlive": frozenset({FETCH_ROLE}),
+    "Lookup": frozenset({FETCH_ROLE}),
+    "GetServerInfo": frozenset({PARK_ROLE, FETCH_ROLE}),
+}
+# How each method streams, to build a refusal handler of the same shape.
+_STREAMING = {"Park": "stream_unary", "Fetch": "unary_stream"}
+
+
+def _bearer(metadata: Any) -> bytes | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip().encode("utf-8", "surrogateescape")
+            return None
+    return None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, park_token: str | None, fetch_token: str | None) -> None:
+        self._tokens: dict[str, bytes] = {}
+        if park_token:
+            self._tokens[PARK_ROLE] = park_token.encode()
+        if fetch_token:
+            self._tokens[FETCH_ROLE] = fetch_token.encode()
+
+    def role_of(self, presented: bytes | None) -> str | None:
+        """The role whose token was presented, compared in constant time against all."""
+        if presented is None:
+            return None
+        found = None
+        for role, token in self._tokens.items():
+            if hmac.compare_digest(presented, token):
+                found = role
+        return found
+
+    def decide(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+        """None when the call may proceed, else the status to refuse it with."""
+        roles = _METHOD_ROLES.get(method)
+        if roles is None:
+            return None
+        if any(role not in self._tokens for role in roles):
+            return None  # a role with no token configured is open
+        role = self.role_of(_bearer(metadata))
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token"
+        if role not in roles:
+            return grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not call {method}"
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        service, _, method = details.method.lstrip("/").partition("/")
+        if service != SERVICE_NAME:
+            return await continuation(details)
+        refusal = self.decide(method, details.invocation_metadata)
+        if refusal is None:
+            return await continuation(details)
+        return _refusing_handler(_STREAMING.get(method, "unary_unary"), *refusal)
+
+
+def _refusing_handler(kind: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: Any) -> None:
+        _warnings.warn("auth", context.peer(), "call refused", code=code.name, peer=context.peer())
+        await context.abort(code, message)
+
+    if kind == "stream_unary":
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if kind == "unary_stream":
+
+        async def refuse_stream(request: Any, context: Any) -> Any:
+            await refuse(request, context)
+            yield  # pragma: no cover - makes this an async generator
+
+        return grpc.unary_stream_rpc_method_handler(refuse_stream)
+    return grpc.unary_unary_rpc_method_handler(refuse)

@@ -1,0 +1,250 @@
+"""Authenticated transport: tokens by role, TLS and mTLS, the non-loopback rule, and logs that
+never carry tokens or payload bytes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import channel_options, park_requests, running_producer, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tls_certs import make_certs
+
+from producer_service.logs import JsonFormatter
+from shared.pb import kvpark_pb2 as pb
+from shared.pb import kvpark_pb2_grpc as pb_grpc
+
+PARK_TOKEN = "park-secret-7f3a9c"
+FETCH_TOKEN = "fetch-secret-1b2d4e"
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+async def call_code(coro) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    try:
+        result = await coro
+        if hasattr(result, "__aiter__"):
+            [m async for m in result]
+    except grpc.aio.AioRpcError as err:
+        assert "secret-id" not in (err.details() or ""), "an auth answer leaked the id"
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_tokens_by_role() -> None:
+    async with running_producer(park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN) as server:
+        async with grpc.aio.insecure_channel(server.target, options=channel_options()) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+
+            def park(md):  # type: ignore[no-untyped-def]
+                return stub.Park(iter(park_requests("secret-id", {0: b"x"}, total=1)), metadata=md)
+
+            async def fetch(md):  # type: ignore[no-untyped-def]
+                return [
+                    m
+                    async for m in stub.Fetch(
+                        pb.FetchRequest(kv_request_id="secret-id"), metadata=md
+                    )
+                ]
+
+            lookup = pb.LookupRequest(kv_request_ids=["secret-id"])
+            # Missing or unknown token: UNAUTHENTICATED. The other role's token: PERMISSION_DENIED.
+            assert await call_code(park(())) == grpc.StatusCode.UNAUTHENTICATED
+            assert await call_code(park(bearer("nope"))) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                await call_code(park((("authorization", PARK_TOKEN),)))
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
+            assert await call_code(park(bearer(FETCH_TOKEN))) == grpc.StatusCode.PERMISSION_DENIED
+            assert server.pool.statistics().used_bytes == 0  # nothing stored by refused parks
+            assert await call_code(park(bearer(PARK_TOKEN))) == grpc.StatusCode.OK
+
+            assert await call_code(fetch(())) == grpc.StatusCode.UNAUTHENTICATED
+            assert await call_code(fetch(bearer(PARK_TOKEN))) == grpc.StatusCode.PERMISSION_DENIED
+            assert (
+                await call_code(stub.Lookup(lookup, metadata=bearer(PARK_TOKEN)))
+                == grpc.StatusCode.PERMISSION_DENIED
+            )
+            assert (
+                await call_code(stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=["secret-id"])))
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
+            release = pb.ReleaseRequest(kv_request_id="secret-id")
+            assert (
+                await call_code(stub.Release(release, metadata=bearer(FETCH_TOKEN)))
+                == grpc.StatusCode.PERMISSION_DENIED
+            )
+            # The id is untouched by all those refusals, and the right token fetches it.
+            msgs = await fetch(bearer(FETCH_TOKEN))
+            assert msgs[0].chunk.data == b"x" and msgs[-1].done.status == pb.STATUS_OK
+
+            # Server info takes either role's token; health and reflection stay open.
+            info = pb.GetServerInfoRequest()
+            assert await call_code(stub.GetServerInfo(info)) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                await call_code(stub.GetServerInfo(info, metadata=bearer(FETCH_TOKEN)))
+                == grpc.StatusCode.OK
+            )
+            assert (
+                await call_code(stub.GetServerInfo(info, metadata=bearer(PARK_TOKEN)))
+                == grpc.StatusCode.OK
+            )
+            health = health_pb2_grpc.HealthStub(ch)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_role_without_token_is_open() -> None:
+    async with running_producer(park_token=PARK_TOKEN) as server:
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            lookup = pb.LookupRequest(kv_request_ids=["a"])
+            assert await call_code(stub.Lookup(lookup)) == grpc.StatusCode.OK
+            release = pb.ReleaseRequest(kv_request_id="a")
+            assert await call_code(stub.Release(release)) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_tls_and_mtls(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    ca = certs.ca.read_bytes()
+    async with running_producer(
+        tls_cert_file=str(certs.server_cert), tls_key_file=str(certs.server_key)
+    ) as server:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        async with grpc.aio.secure_channel(f"localhost:{server.port}", creds) as ch:
+            info = await pb_grpc.KVProducerStub(ch).GetServerInfo(pb.GetServerInfoRequest())
+            assert info.producer_epoch == server.epoch
+        async with grpc.aio.insecure_channel(server.target) as ch:  # plaintext is refused
+            code = await call_code(
+                pb_grpc.KVProducerStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+            )
+            assert code == grpc.StatusCode.UNAVAILABLE
+
+    async with running_producer(
+        tls_cert_file=str(certs.server_cert),
+        tls_key_file=str(certs.server_key),
+        tls_client_ca_file=str(certs.ca),
+    ) as server:
+        without_cert = grpc.ssl_channel_credentials(root_certificates=ca)
+        async with grpc.aio.secure_channel(f"localhost:{server.port}", without_cert) as ch:
+            code = await call_code(
+                pb_grpc.KVProducerStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+            )
+            assert code == grpc.StatusCode.UNAVAILABLE
+        with_cert = grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=certs.client_key.read_bytes(),
+            certificate_chain=certs.client_cert.read_bytes(),
+        )
+        async with grpc.aio.secure_channel(f"localhost:{server.port}", with_cert) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            assert (
+                await stub.Park(iter(park_requests("t", {0: b"tls"}, total=1)))
+            ).status == pb.STATUS_OK
+            msgs = [m async for m in stub.Fetch(pb.FetchRequest(kv_request_id="t"))]
+            assert msgs[0].chunk.data == b"tls"
+
+
+def run_producer(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "producer_service", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_non_loopback_without_protection_refused_at_start() -> None:
+    result = run_producer("--listen", "0.0.0.0:0", "--metrics-listen", "")
+    assert result.returncode == 2
+    assert "listen" in result.stderr and "allow_insecure" in result.stderr
+
+
+def test_allow_insecure_starts_and_warns(producer_process) -> None:  # type: ignore[no-untyped-def]
+    # Bound to a wildcard address but only probed over loopback.
+    producer = producer_process(allow_insecure="true")
+    producer.proc.terminate()
+    output = producer.proc.communicate(timeout=30)[0]
+    assert producer.proc.returncode == 0
+    assert "neither TLS nor tokens" not in output  # loopback listen: nothing to warn about
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "producer_service",
+            "--listen",
+            f"0.0.0.0:{port}",
+            "--metrics-listen",
+            "",
+            "--allow-insecure",
+            "--pool-bytes",
+            "16MiB",
+            "--max-chunk-bytes",
+            "1MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=20)
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0
+    assert "neither TLS nor tokens" in output
+
+
+async def test_logs_never_carry_tokens_or_payload(caplog: pytest.LogCaptureFixture) -> None:
+    marker = b"PAYLOAD-MARKER-" + os.urandom(8).hex().encode()
+    caplog.set_level(logging.DEBUG, logger="kvpark")
+    async with running_producer(
+        park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN, unbound_store_timeout_s=0.2
+    ) as server:
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            await stub.Park(
+                iter(park_requests("logged", {0: marker}, total=1)), metadata=bearer(PARK_TOKEN)
+            )
+            wrong = stub.Park(
+                iter(park_requests("logged", {0: marker}, total=1)),
+                metadata=bearer("wrong-" + PARK_TOKEN),
+            )
+            assert await call_code(wrong) == grpc.StatusCode.UNAUTHENTICATED
+
+            await wait_until(lambda: server.lot.statistics().reaped_total == 1)
+            for _ in range(3):
+                [
+                    m
+                    async for m in stub.Fetch(
+                        pb.FetchRequest(kv_request_id="logged"), metadata=bearer(FETCH_TOKEN)
+                    )
+                ]
+            await stub.Park(
+                iter(park_requests("logged", {0: marker}, total=1)), metadata=bearer(PARK_TOKEN)
+            )
+    formatter = JsonFormatter()
+    lines = [formatter.format(r) for r in caplog.records]
+    text = "\n".join(lines)
+    assert any("call refused" in line and "UNAUTHENTICATED" in line for line in lines)
+    late = [json.loads(line) for line in lines if "late fetch" in line]
+    assert (
+        late[0]["id"] == "'logged'" and late[0]["reason"] == "REASON_REAPED" and "peer" in late[0]
+    )
+    assert PARK_TOKEN not in text and FETCH_TOKEN not in text
+    assert marker.decode() not in text
