@@ -15,10 +15,9 @@ reflection stay open so orchestrators can probe.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-import logging
 
 import grpc
 
