@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -40,6 +40,7 @@ from .lot import (
 from .metrics import ProducerMetrics
 
 SERVICE_NAME = "kvpark.v1.KVProducer"
+T = TypeVar("T")
 MAX_IDS_PER_CALL = 10_000
 log = logging.getLogger(LOGGER_NAME)
 
@@ -126,8 +127,9 @@ class KVProducerServicer:
         )
 
     # ================================================================================== Fetch
-    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[bytes]:
+    async def Fetch(self, raw: pb.FetchRequest | Malformed, context: Any) -> AsyncIterator[bytes]:
         started = time.monotonic()
+        request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
         wait_s = request.wait_timeout_s
         if not math.isfinite(wait_s) or wait_s < 0:
@@ -183,7 +185,10 @@ class KVProducerServicer:
         return wire.encode_done(done)
 
     # ======================================================================== Unary methods
-    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+    async def KeepAlive(
+        self, raw: pb.KeepAliveRequest | Malformed, context: Any
+    ) -> pb.KeepAliveResponse:
+        request = await _well_formed(context, raw)
         ids = await _valid_ids(context, request.kv_request_ids)
         extend_s = request.extend_s
         if not math.isfinite(extend_s) or extend_s < 0:
@@ -191,7 +196,8 @@ class KVProducerServicer:
         states = self._lot.keep_alive(ids, extend_s)
         return pb.KeepAliveResponse(states=[_id_state(s) for s in states])
 
-    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+    async def Release(self, raw: pb.ReleaseRequest | Malformed, context: Any) -> pb.ReleaseResponse:
+        request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
         refused = self._lot.release(kid)
         if refused is None:
@@ -199,11 +205,15 @@ class KVProducerServicer:
             return pb.ReleaseResponse(status=pb.STATUS_OK)
         return pb.ReleaseResponse(status=pb.STATUS_FAILED, reason=refused.reason)
 
-    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+    async def Lookup(self, raw: pb.LookupRequest | Malformed, context: Any) -> pb.LookupResponse:
+        request = await _well_formed(context, raw)
         ids = await _valid_ids(context, request.kv_request_ids)
         return pb.LookupResponse(states=[_id_state(s) for s in self._lot.lookup(ids)])
 
-    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Any) -> pb.ServerInfo:
+    async def GetServerInfo(
+        self, raw: pb.GetServerInfoRequest | Malformed, context: Any
+    ) -> pb.ServerInfo:
+        await _well_formed(context, raw)
         return self._server_info()
 
     # ================================================================================ helpers
@@ -252,6 +262,30 @@ async def _valid_ids(context: Any, raw_ids: Any) -> list[str]:
     return ids
 
 
+class Malformed:
+    """Stands in for a request whose bytes did not parse, so the handler can answer
+    INVALID_ARGUMENT (a raising deserializer would make grpc answer INTERNAL)."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.problem = f"malformed {message_type}: {error}"
+
+
+def _lenient(message_type: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_type.FromString(raw)
+        except Exception as exc:  # protobuf's DecodeError and friends
+            return Malformed(message_type.DESCRIPTOR.name, exc)
+
+    return parse
+
+
+async def _well_formed(context: Any, request: T | Malformed) -> T:
+    if isinstance(request, Malformed):
+        await _invalid(context, request.problem)
+    return request
+
+
 def _id_state(s: Any) -> pb.IdState:
     return pb.IdState(
         kv_request_id=s.kv_request_id,
@@ -271,7 +305,7 @@ def method_handlers(servicer: KVProducerServicer) -> grpc.GenericRpcHandler:
     def unary(behavior: Any, request_type: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
             behavior,
-            request_deserializer=request_type.FromString,
+            request_deserializer=_lenient(request_type),
             response_serializer=lambda m: m.SerializeToString(),
         )
 
@@ -284,7 +318,7 @@ def method_handlers(servicer: KVProducerServicer) -> grpc.GenericRpcHandler:
             ),
             # Raw bytes out: frames built by shared.wire straight from pool memory.
             "Fetch": grpc.unary_stream_rpc_method_handler(
-                servicer.Fetch, request_deserializer=pb.FetchRequest.FromString
+                servicer.Fetch, request_deserializer=_lenient(pb.FetchRequest)
             ),
             "KeepAlive": unary(servicer.KeepAlive, pb.KeepAliveRequest),
             "Release": unary(servicer.Release, pb.ReleaseRequest),
