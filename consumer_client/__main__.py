@@ -1,0 +1,10 @@
+"""`python -m consumer_client` = the `kvpark` command."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

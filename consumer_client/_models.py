@@ -1,0 +1,117 @@
+"""Plain values the unary calls return, converted from the generated messages at the edge.
+
+The public API never hands out protobuf objects: they are mutable, their enums are bare ints,
+and a caller should not need `shared.pb` to read a state. Each value here mirrors one message
+of the contract (names as in the .proto, units in the field names).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from shared.pb import kvpark_pb2 as pb
+
+from ._result import Reason
+
+
+class State(enum.StrEnum):
+    """Where an id stands on a producer (the contract's `State` without the prefix)."""
+
+    UNKNOWN = "UNKNOWN"
+    PARKED = "PARKED"
+    BOUND = "BOUND"
+    TOMBSTONED = "TOMBSTONED"
+
+    @classmethod
+    def from_proto(cls, value: int) -> State:
+        try:
+            return cls(str(pb.State.Name(value)).removeprefix("STATE_"))
+        except ValueError:  # STATE_UNSPECIFIED or a state newer than this client
+            return cls.UNKNOWN
+
+
+def _reason_or_none(value: int) -> Reason | None:
+    return None if value == pb.REASON_UNSPECIFIED else Reason.from_proto(value)
+
+
+@dataclass(frozen=True, slots=True)
+class IdStatus:
+    """One id's state, from Lookup or KeepAlive."""
+
+    kv_request_id: str
+    state: State
+    # With TOMBSTONED: how the id ended; None otherwise.
+    reason: Reason | None
+    chunks_parked: int
+    # Declared total chunks; 0 = not known.
+    total_chunks: int
+    bytes: int
+    # Seconds since the first chunk (PARKED/BOUND) or since the id ended (TOMBSTONED).
+    age_s: float
+    # Seconds until the lease runs out (PARKED) or a KeepAlive intent expires (UNKNOWN).
+    lease_remaining_s: float
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> IdStatus:
+        return cls(
+            kv_request_id=msg.kv_request_id,
+            state=State.from_proto(msg.state),
+            reason=_reason_or_none(msg.reason),
+            chunks_parked=msg.chunks_parked,
+            total_chunks=msg.total_chunks,
+            bytes=msg.bytes,
+            age_s=msg.age_s,
+            lease_remaining_s=msg.lease_remaining_s,
+        )
+
+    @property
+    def ended(self) -> bool:
+        return self.state is State.TOMBSTONED
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerInfo:
+    """A producer process's epoch, limits and timeouts (the contract's ServerInfo)."""
+
+    producer_epoch: int
+    version: str
+    pool_bytes: int
+    pool_free_bytes: int
+    max_chunk_bytes: int
+    unbound_store_timeout_s: float
+    tombstone_retention_s: float
+    consumer_load_timeout_s: float
+    max_lease_s: float
+    max_fetch_wait_s: float
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> ProducerInfo:
+        return cls(
+            producer_epoch=msg.producer_epoch,
+            version=msg.version,
+            pool_bytes=msg.pool_bytes,
+            pool_free_bytes=msg.pool_free_bytes,
+            max_chunk_bytes=msg.max_chunk_bytes,
+            unbound_store_timeout_s=msg.unbound_store_timeout_s,
+            tombstone_retention_s=msg.tombstone_retention_s,
+            consumer_load_timeout_s=msg.consumer_load_timeout_s,
+            max_lease_s=msg.max_lease_s,
+            max_fetch_wait_s=msg.max_fetch_wait_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    """The answer to Release: ok, or the reason it was refused (UNKNOWN_ID, ALREADY_BOUND, or
+    the tombstone's reason)."""
+
+    kv_request_id: str
+    ok: bool
+    reason: Reason | None
+
+    @classmethod
+    def from_proto(cls, kv_request_id: str, msg: Any) -> ReleaseResult:
+        ok = msg.status == pb.STATUS_OK
+        return cls(kv_request_id, ok, None if ok else Reason.from_proto(msg.reason))

@@ -1,0 +1,282 @@
+"""One load's logic, shared by the sync and the async client: no I/O, no gRPC calls.
+
+The clients only move bytes: they start the Fetch, hand every received message to
+`LoadSession.feed`, report how the stream ended (`stream_ended`, `rpc_failed`), cancel the call
+when the session says so, and ask for the `result()`. Everything else lives here once: the
+request bytes, the deadlines, frame parsing, the chunk-order and CRC32C checks, placement into
+the destination, the in-band TransferDone, and what each ending means.
+
+How a stream may end, and what the session decides:
+
+    TransferDone OK, every requested chunk verified       -> ok
+    TransferDone FAILED                                   -> the producer's reason, at once (no
+                                                             cancel: the stream is over)
+    a chunk out of order, a malformed frame, no Done      -> PROTOCOL_ERROR, client cancels
+    a chunk whose CRC32C does not match                   -> CHECKSUM_MISMATCH, client cancels
+    our first-chunk watchdog cancelled / deadline passed  -> TIMEOUT
+    any other gRPC status                                 -> `classify_status` decides (value or
+                                                             raise)
+
+A chunk counts (in `chunks_loaded`) only after its CRC32C matched and it was copied, and only
+in request order, so what was loaded is always a prefix and `first_missing_chunk` is exact.
+If every explicitly requested chunk was verified, the load is ok even if the stream then broke:
+the bytes are all there and checked.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+import grpc
+
+from shared import wire
+from shared.checksum import crc32c_of
+from shared.ids import printable_id
+from shared.pb import kvpark_pb2 as pb
+
+from ._buffers import Destination
+from ._errors import classify_status, error_for
+from ._result import LoadResult, Reason
+from ._timeouts import Timeout
+
+log = logging.getLogger("kvpark.client")
+
+# Called after each chunk is verified and placed: (index in the request, chunk id, its bytes
+# where they landed). Lets an engine start on early chunks while later ones still stream.
+OnChunk = Callable[[int, int, memoryview], None]
+
+
+class Step(enum.Enum):
+    """What the client does after `feed`."""
+
+    CONTINUE = "continue"  # read the next message
+    DONE = "done"  # the producer's TransferDone arrived: drain to the end, do not cancel
+    ABANDON = "abandon"  # the client gave up on the stream: cancel the call
+
+
+class LoadSession:
+    def __init__(
+        self,
+        *,
+        kv_request_id: str,
+        chunk_ids: tuple[int, ...] | None,
+        destination: Destination,
+        timeout: Timeout,
+        expected_epoch: int,
+        wait_timeout_s: float,
+        on_chunk: OnChunk | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kv_request_id = kv_request_id
+        self.chunk_ids = chunk_ids
+        self.expected_epoch = expected_epoch
+        self._dest = destination
+        self._on_chunk = on_chunk
+        self._clock = clock
+        self.started = clock()
+        budget = timeout.budget_s(destination.capacity)
+        self.deadline: Final = None if budget is None else self.started + budget
+        first = timeout.first_chunk_s
+        self.first_chunk_deadline: Final = None if first is None else self.started + first
+        self.request: Final[bytes] = pb.FetchRequest(
+            kv_request_id=kv_request_id,
+            chunk_ids=chunk_ids or (),
+            expected_epoch=expected_epoch,
+            wait_timeout_s=wait_timeout_s,
+        ).SerializeToString()
+        self.chunks_loaded = 0
+        self.got_message = False
+        self._sizes: list[int] = []
+        # The decided outcome: (reason or None for ok, detail, grpc code). None = undecided.
+        self._outcome: tuple[Reason | None, str, grpc.StatusCode | None] | None = None
+        self.extra_messages = 0
+
+    # ------------------------------------------------------------------------------ deadlines
+    def remaining_s(self) -> float | None:
+        """Seconds left of the load budget (never negative); None = unbounded."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - self._clock())
+
+    def first_chunk_remaining_s(self) -> float | None:
+        """Seconds until the first-chunk watchdog fires; None when not armed."""
+        if self.first_chunk_deadline is None:
+            return None
+        return max(0.0, self.first_chunk_deadline - self._clock())
+
+    def out_of_time(self) -> bool:
+        """True (and the outcome decided TIMEOUT) when no time is left to start the Fetch."""
+        left = [t for t in (self.remaining_s(), self.first_chunk_remaining_s()) if t is not None]
+        if left and min(left) <= 0:
+            self._decide(Reason.TIMEOUT, "load timeout spent before the Fetch started")
+            return True
+        return False
+
+    @property
+    def decided(self) -> bool:
+        return self._outcome is not None
+
+    # -------------------------------------------------------------------------------- stream
+    def feed(self, raw: bytes) -> Step:
+        """Handles one received FetchResponse (raw bytes). May raise BufferTooSmallError or
+        what `on_chunk` raises; the client cancels the call on any exception."""
+        self.got_message = True
+        if self._outcome is not None:  # a message after TransferDone: tolerated, counted
+            self.extra_messages += 1
+            return Step.DONE
+        try:
+            message = wire.parse_fetch_response(raw)
+        except wire.WireError as exc:
+            return self._abandon(Reason.PROTOCOL_ERROR, f"malformed FetchResponse: {exc}")
+        if isinstance(message, wire.ChunkView):
+            return self._chunk(message)
+        if message is None:
+            return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with neither chunk nor done")
+        return self._done(message)
+
+    def _chunk(self, chunk: wire.ChunkView) -> Step:
+        index = self.chunks_loaded
+        if self.chunk_ids is None:
+            expected = index
+        elif index < len(self.chunk_ids):
+            expected = self.chunk_ids[index]
+        else:
+            return self._abandon(
+                Reason.PROTOCOL_ERROR, f"chunk {chunk.chunk_id} sent after all requested chunks"
+            )
+        if chunk.chunk_id != expected:
+            return self._abandon(
+                Reason.PROTOCOL_ERROR, f"chunk {chunk.chunk_id} arrived, expected {expected}"
+            )
+        actual = crc32c_of(chunk.data)
+        if actual != chunk.crc32c:
+            return self._abandon(
+                Reason.CHECKSUM_MISMATCH,
+                f"chunk {expected}: crc32c {actual:#010x}, producer says {chunk.crc32c:#010x}",
+            )
+        landed = self._dest.place(chunk.data, index)
+        self.chunks_loaded += 1
+        self._sizes.append(len(chunk.data))
+        if self._on_chunk is not None:
+            self._on_chunk(index, expected, landed)
+        return Step.CONTINUE
+
+    def _done(self, done: pb.TransferDone) -> Step:
+        if done.status == pb.STATUS_OK:
+            if self.chunk_ids is not None and not self._complete():
+                self._decide(
+                    Reason.PROTOCOL_ERROR,
+                    f"TransferDone OK after {self.chunks_loaded} of {len(self.chunk_ids)} chunks",
+                )
+            elif done.chunks_sent != self.chunks_loaded:
+                self._decide(
+                    Reason.PROTOCOL_ERROR,
+                    f"TransferDone says {done.chunks_sent} chunks sent, {self.chunks_loaded} "
+                    "received",
+                )
+            else:
+                self._decide(None, "")
+        elif self._complete():
+            # Every requested chunk is here and verified; the producer failed the id only after.
+            self._decide(None, f"all chunks verified; producer then said {done.detail!r}")
+        else:
+            self._decide(Reason.from_proto(done.reason), done.detail)
+        return Step.DONE
+
+    def stream_ended(self) -> None:
+        """The stream closed with status OK. Without a TransferDone that breaks the contract."""
+        if self._outcome is None:
+            if self._complete():
+                self._decide(None, "all chunks verified; stream ended without TransferDone")
+            else:
+                self._decide(Reason.PROTOCOL_ERROR, "stream ended without TransferDone")
+
+    def rpc_failed(self, code: grpc.StatusCode | None, details: str, *, timed_out: bool) -> None:
+        """The call ended with an error status. `timed_out`: our own watchdog cancelled it.
+
+        Raises the mapped exception for statuses that mean misuse (classify_status)."""
+        if self._outcome is not None:
+            return  # decided before the transport ended (e.g. our cancel after a bad chunk)
+        if self._complete():
+            self._decide(None, f"all chunks verified; then {code}: {details}", code)
+            return
+        if timed_out:
+            self._decide(Reason.TIMEOUT, self._timeout_detail("first chunk"), code)
+            return
+        rule = classify_status(code)
+        if rule.load_reason is None:
+            raise error_for(code, details, f"Fetch {printable_id(self.kv_request_id)}")
+        detail = self._timeout_detail("total") if rule.load_reason is Reason.TIMEOUT else details
+        self._decide(rule.load_reason, detail, rule.code)
+
+    def contact_failed(self, code: grpc.StatusCode | None, details: str) -> None:
+        """First contact (GetServerInfo) failed before the Fetch could start."""
+        self.rpc_failed(code, f"first contact: {details}", timed_out=False)
+
+    # ------------------------------------------------------------------------------- result
+    def result(self, info_epoch: int | None) -> LoadResult:
+        if self._outcome is None:  # the client must decide every path; guard anyway
+            self._decide(Reason.PROTOCOL_ERROR, "load ended without an outcome")
+        assert self._outcome is not None
+        reason, detail, code = self._outcome
+        ok = reason is None
+        if reason is Reason.EPOCH_MISMATCH:
+            epoch = 0
+        elif ok and self.expected_epoch:
+            epoch = self.expected_epoch
+        else:
+            epoch = info_epoch or 0
+        result = LoadResult(
+            kv_request_id=self.kv_request_id,
+            ok=ok,
+            reason=reason,
+            detail=detail,
+            chunk_ids=self.chunk_ids,
+            chunks_loaded=self.chunks_loaded,
+            bytes=self._dest.nbytes,
+            chunk_sizes=tuple(self._sizes),
+            elapsed_s=self._clock() - self.started,
+            producer_epoch=epoch,
+            grpc_code=code,
+            data=self._dest.array(),
+        )
+        level = logging.WARNING if reason in _LOUD else logging.DEBUG
+        log.log(
+            level,
+            "load %s: %s, %d chunks, %d bytes, %.3fs%s",
+            printable_id(self.kv_request_id),
+            "ok" if ok else reason,
+            result.chunks_loaded,
+            result.bytes,
+            result.elapsed_s,
+            f" ({detail})" if detail else "",
+        )
+        return result
+
+    # ------------------------------------------------------------------------------ helpers
+    def _complete(self) -> bool:
+        return self.chunk_ids is not None and self.chunks_loaded == len(self.chunk_ids)
+
+    def _decide(
+        self, reason: Reason | None, detail: str, code: grpc.StatusCode | None = None
+    ) -> None:
+        if self._outcome is None:
+            self._outcome = (reason, detail, code)
+
+    def _abandon(self, reason: Reason, detail: str) -> Step:
+        self._decide(reason, detail)
+        return Step.ABANDON
+
+    def _timeout_detail(self, which: str) -> str:
+        return (
+            f"{which} timeout after {self._clock() - self.started:.3f}s, "
+            f"{self.chunks_loaded} chunks loaded; Fetch cancelled"
+        )
+
+
+# Outcomes that point at a bug or corruption somewhere: worth a warning in the worker's log.
+_LOUD = frozenset({Reason.CHECKSUM_MISMATCH, Reason.PROTOCOL_ERROR, Reason.RPC_ERROR})

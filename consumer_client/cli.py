@@ -1,0 +1,375 @@
+"""`kvpark`: operator commands against one producer, a thin layer over `KVConsumer`.
+
+    kvpark [--target HOST:PORT] [--json] info
+    kvpark lookup ID [ID ...]
+    kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] --out FILE|-   (consumes the id!)
+    kvpark release ID
+
+Subcommands live in one `CommandRegistry`. A command is a name, a help line, a function that
+adds its arguments and a function that runs it and returns an exit code; `COMMANDS.add()` is
+the only place they are registered, and `build_parser` is the only place argparse is told
+about them. Another package adds a subcommand without editing this file: a module listed in
+`PLUGIN_MODULES` (e.g. `benchmarks.cli` for `kvpark bench`) defines
+`register(commands: CommandRegistry) -> None`; it may use `client_from_args(args)` to open a
+client with the common connection options. A plugin that is not installed is skipped; one
+that fails to import is reported on stderr and skipped, so it never breaks the other commands.
+
+Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
+release it refused); 2 usage (bad arguments, unreadable token file); 3 the call did not get
+through (unreachable, deadline, auth, not a kvpark producer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from ._alloc import tune_allocator
+from ._errors import KVParkError, RPCError, UsageError
+from ._models import IdStatus
+from ._sync import KVConsumer
+from ._timeouts import Timeout
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_RPC = 3
+
+TARGET_ENV = "KVPARK_TARGET"
+TOKEN_ENV = "KVPARK_TOKEN"
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Modules that may add subcommands (each defines `register(commands)`); absent ones are skipped.
+PLUGIN_MODULES: tuple[str, ...] = ("benchmarks.cli",)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class CommandRegistry:
+    """The subcommands of `kvpark`, in registration order."""
+
+    def __init__(self) -> None:
+        self._commands: dict[str, Command] = {}
+        self._plugins: set[str] = set()  # plugin modules already tried
+
+    def add(self, command: Command) -> Command:
+        if command.name in self._commands:
+            raise ValueError(f"kvpark subcommand {command.name!r} is registered twice")
+        self._commands[command.name] = command
+        return command
+
+    def __iter__(self) -> Iterator[Command]:
+        return iter(list(self._commands.values()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._commands
+
+    def names(self) -> list[str]:
+        return list(self._commands)
+
+    def load_plugins(self, modules: Sequence[str] = PLUGIN_MODULES) -> None:
+        """Lets each installed plugin module add its subcommands, once per module."""
+        for name in modules:
+            if name in self._plugins:
+                continue
+            self._plugins.add(name)
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                if exc.name is not None and name.startswith(exc.name):
+                    continue  # not installed: nothing to add
+                print(f"kvpark: plugin {name} failed to import: {exc}", file=sys.stderr)
+                continue
+            except Exception as exc:  # a broken plugin must not take the other commands down
+                print(f"kvpark: plugin {name} failed to import: {exc!r}", file=sys.stderr)
+                continue
+            register = getattr(module, "register", None)
+            if callable(register):
+                register(self)
+
+
+# ------------------------------------------------------------------------- common options
+def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """Connection options, accepted before the subcommand and after it (`kvpark info --target
+    X`); after it they carry no defaults so they never undo the ones given before."""
+
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    conn = parser.add_argument_group("connection")
+    conn.add_argument(
+        "--target",
+        default=default(os.environ.get(TARGET_ENV, DEFAULT_TARGET)),
+        help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
+    )
+    conn.add_argument(
+        "--token-file",
+        type=Path,
+        default=default(None),
+        help=f"file holding the bearer token (or env {TOKEN_ENV}); sent as "
+        "'authorization: Bearer <token>'",
+    )
+    conn.add_argument(
+        "--tls",
+        action="store_true",
+        default=default(False),
+        help="use TLS with the system's root CAs",
+    )
+    for flag, text in (
+        ("--tls-ca", "CA bundle to verify the producer (implies --tls)"),
+        ("--tls-cert", "client certificate for mTLS (implies --tls)"),
+        ("--tls-key", "client key for mTLS (with --tls-cert)"),
+    ):
+        conn.add_argument(flag, type=Path, default=default(None), metavar="FILE", help=text)
+    conn.add_argument(
+        "--rpc-timeout",
+        type=_positive_seconds,
+        default=default(10.0),
+        metavar="SECONDS",
+        help="deadline of each unary call (default 10)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON instead of text"
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _read(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def client_from_args(args: argparse.Namespace, **client_args: Any) -> KVConsumer:
+    """A `KVConsumer` for the common connection options (for commands and plugins)."""
+    token = os.environ.get(TOKEN_ENV) or None
+    token_bytes = _read(args.token_file)
+    if token_bytes is not None:
+        try:
+            token = token_bytes.decode("utf-8").strip() or None
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.token_file}: the token is not UTF-8 text") from None
+    credentials = None
+    if args.tls or args.tls_ca or args.tls_cert:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(args.tls_ca),
+            private_key=_read(args.tls_key),
+            certificate_chain=_read(args.tls_cert),
+        )
+    return KVConsumer(args.target, token=token, credentials=credentials, **client_args)
+
+
+# ------------------------------------------------------------------------------ output
+def _emit(args: argparse.Namespace, data: Any, text: str, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    if args.json:
+        print(json.dumps(data, default=str), file=out)
+    else:
+        print(text, file=out)
+
+
+def _status_row(s: IdStatus) -> str:
+    reason = f" ({s.reason})" if s.reason else ""
+    total = s.total_chunks or "?"
+    lease = f" lease {s.lease_remaining_s:.1f}s" if s.lease_remaining_s else ""
+    return (
+        f"{s.kv_request_id}\t{s.state}{reason}\tchunks {s.chunks_parked}/{total}\t"
+        f"{s.bytes} bytes\tage {s.age_s:.1f}s{lease}"
+    )
+
+
+# ----------------------------------------------------------------------------- commands
+COMMANDS = CommandRegistry()
+
+
+def _info_args(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _info(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        info = client.server_info(timeout=args.rpc_timeout)
+    fields = asdict(info)
+    text = "\n".join(f"{key}: {value}" for key, value in fields.items())
+    _emit(args, {"target": args.target, **fields}, text)
+    return EXIT_OK
+
+
+def _lookup_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ids", nargs="+", metavar="ID", help="kv_request_id to look up")
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        states = client.lookup(args.ids, timeout=args.rpc_timeout)
+    _emit(args, [asdict(s) for s in states], "\n".join(_status_row(s) for s in states))
+    return EXIT_OK
+
+
+def _fetch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", metavar="ID", help="kv_request_id to fetch")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--chunks", type=int, metavar="N", help="fetch chunks 0..N-1")
+    which.add_argument(
+        "--chunk-ids", metavar="LIST", help="comma-separated chunk ids, in the order wanted"
+    )
+    parser.add_argument(
+        "--out", required=True, metavar="FILE", help="where to write the bytes ('-' = stdout)"
+    )
+    parser.add_argument("--expected-epoch", type=int, default=0, metavar="EPOCH")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="total load timeout (default %(default)s)",
+    )
+    parser.add_argument("--first-chunk-timeout", type=_positive_seconds, metavar="SECONDS")
+    parser.add_argument(
+        "--wait",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="how long the producer waits for chunks not parked yet (FetchRequest.wait_timeout_s)",
+    )
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    chunk_ids = None
+    if args.chunk_ids is not None:
+        try:
+            chunk_ids = [int(part) for part in args.chunk_ids.split(",")]
+        except ValueError:
+            raise UsageError(f"--chunk-ids: expected integers, got {args.chunk_ids!r}") from None
+    timeout = Timeout(args.timeout, first_chunk_s=args.first_chunk_timeout)
+    with client_from_args(args) as client:
+        result = client.load(
+            args.id,
+            num_chunks=args.chunks,
+            chunk_ids=chunk_ids,
+            expected_epoch=args.expected_epoch,
+            timeout=timeout,
+            wait_timeout_s=args.wait or 0.0,
+        )
+    if result.ok:
+        if args.out == "-":
+            sys.stdout.buffer.write(result.data.data)
+            sys.stdout.buffer.flush()
+        else:
+            with open(args.out, "wb") as f:
+                f.write(result.data.data)
+    summary = {
+        "kv_request_id": result.kv_request_id,
+        "ok": result.ok,
+        "reason": result.reason,
+        "detail": result.detail,
+        "chunks_loaded": result.chunks_loaded,
+        "bytes": result.bytes,
+        "elapsed_s": round(result.elapsed_s, 6),
+        "producer_epoch": result.producer_epoch,
+        "out": args.out if result.ok else None,
+    }
+    if result.ok:
+        text = (
+            f"fetched {result.kv_request_id}: {result.chunks_loaded} chunks, {result.bytes} "
+            f"bytes in {result.elapsed_s:.3f}s -> {args.out}"
+        )
+    else:
+        text = (
+            f"fetch {result.kv_request_id} failed: {result.reason} after {result.chunks_loaded}"
+            f" chunks, {result.elapsed_s:.3f}s{': ' + result.detail if result.detail else ''}"
+            " (nothing written)"
+        )
+    # With --out - the payload owns stdout.
+    _emit(args, summary, text, sys.stderr if args.out == "-" else None)
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _release_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", metavar="ID", help="kv_request_id to give up")
+
+
+def _release(args: argparse.Namespace) -> int:
+    with client_from_args(args) as client:
+        result = client.release(args.id, timeout=args.rpc_timeout)
+    text = f"released {args.id}" if result.ok else f"release {args.id} refused: {result.reason}"
+    _emit(args, asdict(result), text)
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+COMMANDS.add(Command("info", "show the producer's epoch, limits and timeouts", _info_args, _info))
+COMMANDS.add(Command("lookup", "show the state of ids", _lookup_args, _lookup))
+COMMANDS.add(
+    Command(
+        "fetch",
+        "load an id's chunks into a file (consumes the id on the producer)",
+        _fetch_args,
+        _fetch,
+    )
+)
+COMMANDS.add(Command("release", "give an id up (needs the park token)", _release_args, _release))
+
+
+# -------------------------------------------------------------------------------- main
+def build_parser(commands: CommandRegistry = COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpark", description="Operator commands against a kvpark producer."
+    )
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in commands:
+        child = sub.add_parser(command.name, help=command.help, description=command.help)
+        _add_common(child, top=False)
+        command.configure(child)
+        child.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    COMMANDS.load_plugins()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tune_allocator()
+    try:
+        code: int = args.run(args)
+    except UsageError as exc:
+        print(f"kvpark {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RPCError as exc:
+        print(f"kvpark {args.command}: {args.target}: {exc}", file=sys.stderr)
+        return EXIT_RPC
+    except KVParkError as exc:
+        print(f"kvpark {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

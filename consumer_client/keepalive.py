@@ -1,0 +1,264 @@
+"""Keeping leases alive while requests wait in the decode queue (spec §3 KeepAlive, §5).
+
+A prefill parks a request's KV; the decode worker may admit the request only seconds later.
+The producer's lease (`unbound_store_timeout_s`, counted from the first chunk) must not run out
+meanwhile, so the worker sends KeepAlive for every queued id, a few times per lease:
+
+    with client.keep_alive(queued_ids) as ka:      # sync: a daemon thread
+        ...  ka.add(new_id) ... ka.discard(admitted_id) ...
+    async with client.keep_alive(queued_ids) as ka:  # async: a task on the running loop
+
+Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
+`unbound_store_timeout_s`); the default interval is a third of that, so two rounds may fail
+before a lease is at risk. An id the producer reports TOMBSTONED (consumed, reaped, released)
+is dropped from the set and recorded in `ended` with its reason — renewing it cannot help.
+Errors never escape the background loop: they are counted, kept in `last_error` and logged
+once per change, and the loop keeps trying (the producer may be restarting). Leaving the block
+stops the loop and waits for it; a KeepAlive call in flight is bounded by the interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ._core import extend_seconds, valid_id
+from ._errors import ClientClosedError, KVParkError, UsageError
+from ._models import IdStatus
+from ._result import Reason
+
+if TYPE_CHECKING:
+    from ._async import AsyncKVConsumer
+    from ._sync import KVConsumer
+
+log = logging.getLogger("kvpark.client")
+
+# Interval when the producer's lease is not known yet (it was unreachable so far).
+_UNKNOWN_LEASE_INTERVAL_S = 1.0
+# Never hammer the producer, even with a tiny lease.
+_MIN_INTERVAL_S = 0.05
+# One KeepAlive call may take at most this long (and at most one interval).
+_MAX_CALL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAliveStatistics:
+    rounds: int  # KeepAlive rounds completed (every id answered)
+    errors: int  # rounds that failed
+    ids: int  # ids being kept alive now
+    ended: int  # ids dropped because the producer reported them ended
+
+
+class _KeepAliveState:
+    """The id set and bookkeeping, shared by the thread and the task runners."""
+
+    def __init__(self, ids: Iterable[str], interval_s: float | None, extend_s: float) -> None:
+        if interval_s is not None and not (
+            isinstance(interval_s, int | float) and 0 < interval_s < float("inf")
+        ):
+            raise UsageError(f"interval_s: expected seconds > 0, got {interval_s!r}")
+        self.interval_s = interval_s
+        self.extend_s = extend_seconds(extend_s)
+        # Insertion-ordered set of ids to renew; mutated by add/discard (any thread) and by
+        # `record` (the runner) when the producer says an id ended.
+        self._ids: dict[str, None] = dict.fromkeys(valid_id(kid) for kid in ids)
+        self._lock = threading.Lock()
+        self.ended: dict[str, Reason | None] = {}
+        self.last_states: dict[str, IdStatus] = {}
+        self.last_error: BaseException | None = None
+        self.rounds = 0
+        self.errors = 0
+
+    def add(self, ids: Iterable[str]) -> None:
+        checked = [valid_id(kid) for kid in ids]
+        with self._lock:
+            for kid in checked:
+                self._ids[kid] = None
+                self.ended.pop(kid, None)
+
+    def discard(self, ids: Iterable[str]) -> None:
+        with self._lock:
+            for kid in ids:
+                self._ids.pop(kid, None)
+                self.last_states.pop(kid, None)
+
+    def snapshot(self) -> list[str]:
+        with self._lock:
+            return list(self._ids)
+
+    def record(self, states: list[IdStatus]) -> None:
+        with self._lock:
+            for s in states:
+                if s.kv_request_id not in self._ids:
+                    continue  # discarded while the call was in flight
+                if s.ended:
+                    del self._ids[s.kv_request_id]
+                    self.last_states.pop(s.kv_request_id, None)
+                    self.ended[s.kv_request_id] = s.reason
+                else:
+                    self.last_states[s.kv_request_id] = s
+            if self.last_error is not None:
+                log.info("keep-alive recovered after %d failed rounds", self.errors)
+            self.last_error = None
+            self.rounds += 1
+
+    def record_error(self, exc: BaseException) -> None:
+        if self.last_error is None or type(exc) is not type(self.last_error):
+            log.warning("keep-alive round failed (will retry): %s", exc)
+        self.last_error = exc
+        self.errors += 1
+
+    def plan(self, info: Any) -> tuple[list[str], float, float]:
+        """The next round: (ids to renew, seconds until the round after, call timeout)."""
+        interval = self.interval_s
+        if interval is None:
+            lease = self.extend_s or (info.unbound_store_timeout_s if info else 0.0)
+            interval = max(_MIN_INTERVAL_S, lease / 3) if lease else _UNKNOWN_LEASE_INTERVAL_S
+        return self.snapshot(), interval, min(interval, _MAX_CALL_S)
+
+    def statistics(self) -> KeepAliveStatistics:
+        with self._lock:
+            return KeepAliveStatistics(self.rounds, self.errors, len(self._ids), len(self.ended))
+
+
+class _KeepAliveBase:
+    """The public surface both runners share."""
+
+    _state: _KeepAliveState
+
+    @property
+    def ids(self) -> list[str]:
+        return self._state.snapshot()
+
+    @property
+    def ended(self) -> dict[str, Reason | None]:
+        """Ids the producer reported ended (dropped from the set), with their reason."""
+        return dict(self._state.ended)
+
+    @property
+    def last_states(self) -> dict[str, IdStatus]:
+        return dict(self._state.last_states)
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._state.last_error
+
+    def add(self, *kv_request_ids: str) -> None:
+        self._state.add(kv_request_ids)
+
+    def discard(self, *kv_request_ids: str) -> None:
+        self._state.discard(kv_request_ids)
+
+    def statistics(self) -> KeepAliveStatistics:
+        return self._state.statistics()
+
+
+class KeepAlive(_KeepAliveBase):
+    """Renews leases from a daemon thread. Made by `KVConsumer.keep_alive`."""
+
+    def __init__(
+        self, client: KVConsumer, ids: Iterable[str], *, interval_s: float | None, extend_s: float
+    ) -> None:
+        self._client = client
+        self._state = _KeepAliveState(ids, interval_s, extend_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> KeepAlive:
+        if self._thread is not None:
+            raise RuntimeError("keep-alive already started")
+        self._thread = threading.Thread(target=self._run, name="kvpark-keepalive", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the loop and waits for it (at most one KeepAlive call). Idempotent."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> KeepAlive:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.stop()
+
+    def _run(self) -> None:
+        state = self._state
+        while not self._stop.is_set():
+            ids, interval, call_timeout = state.plan(self._client.info)
+            try:
+                if ids:
+                    states = self._client.extend_leases(ids, state.extend_s, timeout=call_timeout)
+                    state.record(states)
+            except ClientClosedError:
+                return
+            except KVParkError as exc:
+                state.record_error(exc)
+            self._stop.wait(interval)
+
+
+class AsyncKeepAlive(_KeepAliveBase):
+    """Renews leases from a task on the running loop. Made by `AsyncKVConsumer.keep_alive`."""
+
+    def __init__(
+        self,
+        client: AsyncKVConsumer,
+        ids: Iterable[str],
+        *,
+        interval_s: float | None,
+        extend_s: float,
+    ) -> None:
+        self._client = client
+        self._state = _KeepAliveState(ids, interval_s, extend_s)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> AsyncKeepAlive:
+        if self._task is not None:
+            raise RuntimeError("keep-alive already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvpark-keepalive")
+        return self
+
+    async def stop(self) -> None:
+        """Stops the loop and waits for it. Idempotent."""
+        self._stop.set()
+        task = self._task
+        if task is not None and not task.done():
+            await task
+
+    async def __aenter__(self) -> AsyncKeepAlive:
+        return self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        await self.stop()
+
+    async def _run(self) -> None:
+        state = self._state
+        while not self._stop.is_set():
+            ids, interval, call_timeout = state.plan(self._client.info)
+            try:
+                if ids:
+                    states = await self._client.extend_leases(
+                        ids, state.extend_s, timeout=call_timeout
+                    )
+                    state.record(states)
+            except ClientClosedError:
+                return
+            except KVParkError as exc:
+                state.record_error(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
