@@ -5,9 +5,16 @@ is, 1 otherwise (NOT_SERVING while shutting down, unreachable, timed out, ...), 
 Used by the image's ``HEALTHCHECK`` and by compose::
 
     python -m producer_service.healthcheck [--target 127.0.0.1:50051] [--timeout 2] [--service NAME]
+        [--tls] [--ca-file PEM] [--server-name NAME] [--client-cert PEM --client-key PEM]
 
 Without ``--target`` the address comes from ``KVPARK_LISTEN`` when that is set (a wildcard host
 such as ``0.0.0.0`` or ``[::]`` is probed on loopback), else ``127.0.0.1:50051``.
+
+Health is served without tokens, so none is needed. A producer serving TLS needs a TLS probe:
+``--tls`` (implied by ``--ca-file``, and by ``KVPARK_TLS_CERT_FILE`` in the environment, whose
+certificate is then trusted by default: right for a self-signed one), ``--server-name`` when the
+certificate does not name the probed host, and a client certificate when the producer requires
+one (mTLS, ``tls_client_ca_file``).
 """
 
 from __future__ import annotations
@@ -34,14 +41,46 @@ def default_target(listen: str | None) -> str:
     return f"{host}:{port}"
 
 
-def check(target: str, timeout: float, service: str = "") -> tuple[bool, str]:
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def check(
+    target: str,
+    timeout: float,
+    service: str = "",
+    *,
+    tls: bool = False,
+    ca_file: str | None = None,
+    server_name: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+) -> tuple[bool, str]:
     """Run one health Check; return (serving, one-line message)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     what = service or "server"
+    options: list[tuple[str, str]] = []
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
     try:
-        with grpc.insecure_channel(target) as channel:
+        if tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(ca_file),
+                private_key=_read(client_key),
+                certificate_chain=_read(client_cert),
+            )
+            channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(target)
+    except OSError as exc:
+        return False, f"unhealthy: {target} ({what}): cannot read TLS file: {exc}"
+    try:
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as exc:
@@ -71,11 +110,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--service", default="", help="service name to ask about (default: the whole server)"
     )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="probe over TLS (implied by --ca-file or KVPARK_TLS_CERT_FILE in the environment)",
+    )
+    parser.add_argument(
+        "--ca-file",
+        default=None,
+        help="PEM roots to verify the producer with (default with KVPARK_TLS_CERT_FILE: that "
+        "certificate; else the system roots)",
+    )
+    parser.add_argument(
+        "--server-name", default=None, help="name expected in the producer's certificate"
+    )
+    parser.add_argument("--client-cert", default=None, help="PEM client certificate (mTLS)")
+    parser.add_argument("--client-key", default=None, help="PEM key of --client-cert")
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if bool(args.client_cert) != bool(args.client_key):
+        parser.error("--client-cert and --client-key go together")
     target = args.target or default_target(os.environ.get("KVPARK_LISTEN"))
-    ok, message = check(target, args.timeout, args.service)
+    env_cert = os.environ.get("KVPARK_TLS_CERT_FILE") or None
+    tls = bool(args.tls or args.ca_file or args.client_cert or env_cert)
+    ca_file = args.ca_file or (env_cert if tls else None)
+    ok, message = check(
+        target,
+        args.timeout,
+        args.service,
+        tls=tls,
+        ca_file=ca_file,
+        server_name=args.server_name,
+        client_cert=args.client_cert,
+        client_key=args.client_key,
+    )
     print(message, flush=True)
     return 0 if ok else 1
 
