@@ -9,8 +9,9 @@ reports where each chunk landed either way.
 dtype, bytearray, memoryview, mmap) or an object numpy can view without copying
 (`__array_interface__`, e.g. `tensor.numpy()` of a CPU tensor). It is viewed as raw bytes; its
 size bounds the load. A chunk that would run past its end is misuse (the engine sized the
-buffer for KV of another shape): the load is cancelled — the id goes back to PARKED, so a retry
-with the right buffer still works — and `BufferTooSmallError` is raised.
+buffer for KV of another shape): the Fetch is cancelled and `BufferTooSmallError` is raised.
+(The producer streams eagerly and counts an id consumed once it has sent every chunk, so
+whether the id survives for a retry depends on whether the cancel overtook the stream.)
 
 Copies (performance-notes.md, lever 2): gRPC hands us each message as one `bytes` object;
 `shared.wire` parses it into a memoryview of the payload without copying; the CRC32C is checked

@@ -31,10 +31,12 @@ class UsageError(KVParkError, ValueError, TypeError):
 
 
 class BufferTooSmallError(UsageError):
-    """The producer's chunks do not fit in the caller's `into` buffer.
-
-    Raised after the Fetch was cancelled, so the id is PARKED again and a retry with a larger
-    buffer can still load it. `chunks_loaded` chunks (`bytes_loaded` bytes) had landed."""
+    """The producer's chunks do not fit in the caller's `into` buffer (it was sized for KV of
+    another shape: a bug or a prefill/decode configuration mismatch, so it is raised rather
+    than silently recomputed). The Fetch is cancelled first; if the producer had not sent the
+    whole id yet, it is PARKED again and a retry with a larger buffer can load it, otherwise
+    the producer already counts it consumed. `chunks_loaded` chunks (`bytes_loaded` bytes) had
+    landed, verified, at the start of `into`."""
 
     def __init__(self, message: str, *, needed: int, available: int, chunks_loaded: int,
                  bytes_loaded: int) -> None:  # fmt: skip

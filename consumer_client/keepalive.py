@@ -114,13 +114,17 @@ class _KeepAliveState:
         self.last_error = exc
         self.errors += 1
 
-    def plan(self, info: Any) -> tuple[list[str], float, float]:
-        """The next round: (ids to renew, seconds until the round after, call timeout)."""
-        interval = self.interval_s
-        if interval is None:
-            lease = self.extend_s or (info.unbound_store_timeout_s if info else 0.0)
-            interval = max(_MIN_INTERVAL_S, lease / 3) if lease else _UNKNOWN_LEASE_INTERVAL_S
-        return self.snapshot(), interval, min(interval, _MAX_CALL_S)
+    def call_timeout(self) -> float:
+        """Deadline of one KeepAlive call: never longer than a round."""
+        return min(self.interval_s or _MAX_CALL_S, _MAX_CALL_S)
+
+    def interval(self, info: Any) -> float:
+        """Seconds until the next round; asked after a round, when first contact has read the
+        producer's lease (unbound_store_timeout_s) if it could be reached."""
+        if self.interval_s is not None:
+            return self.interval_s
+        lease = self.extend_s or (info.unbound_store_timeout_s if info is not None else 0.0)
+        return max(_MIN_INTERVAL_S, lease / 3) if lease else _UNKNOWN_LEASE_INTERVAL_S
 
     def statistics(self) -> KeepAliveStatistics:
         with self._lock:
@@ -170,6 +174,10 @@ class KeepAlive(_KeepAliveBase):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> KeepAlive:
         if self._thread is not None:
             raise RuntimeError("keep-alive already started")
@@ -196,16 +204,17 @@ class KeepAlive(_KeepAliveBase):
     def _run(self) -> None:
         state = self._state
         while not self._stop.is_set():
-            ids, interval, call_timeout = state.plan(self._client.info)
+            ids = state.snapshot()
             try:
                 if ids:
-                    states = self._client.extend_leases(ids, state.extend_s, timeout=call_timeout)
+                    timeout = state.call_timeout()
+                    states = self._client.extend_leases(ids, state.extend_s, timeout=timeout)
                     state.record(states)
             except ClientClosedError:
                 return
             except KVParkError as exc:
                 state.record_error(exc)
-            self._stop.wait(interval)
+            self._stop.wait(state.interval(self._client.info))
 
 
 class AsyncKeepAlive(_KeepAliveBase):
@@ -223,6 +232,10 @@ class AsyncKeepAlive(_KeepAliveBase):
         self._state = _KeepAliveState(ids, interval_s, extend_s)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     def start(self) -> AsyncKeepAlive:
         if self._task is not None:
@@ -249,16 +262,15 @@ class AsyncKeepAlive(_KeepAliveBase):
     async def _run(self) -> None:
         state = self._state
         while not self._stop.is_set():
-            ids, interval, call_timeout = state.plan(self._client.info)
+            ids = state.snapshot()
             try:
                 if ids:
-                    states = await self._client.extend_leases(
-                        ids, state.extend_s, timeout=call_timeout
-                    )
+                    timeout = state.call_timeout()
+                    states = await self._client.extend_leases(ids, state.extend_s, timeout=timeout)
                     state.record(states)
             except ClientClosedError:
                 return
             except KVParkError as exc:
                 state.record_error(exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), interval)
+                await asyncio.wait_for(self._stop.wait(), state.interval(self._client.info))
