@@ -1,9 +1,13 @@
 """`kvpark`: operator commands against one producer, a thin layer over `KVConsumer`.
 
-    kvpark [--target HOST:PORT] [--json] info
+    kvpark info
     kvpark lookup ID [ID ...]
     kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] --out FILE|-   (consumes the id!)
     kvpark release ID
+
+Connection options (`--target HOST:PORT`, env KVPARK_TARGET; `--token-file`, env KVPARK_TOKEN;
+`--tls`, `--tls-ca`, `--tls-cert`, `--tls-key`; `--rpc-timeout`) and `--json` go before or
+after the command.
 
 Subcommands live in one `CommandRegistry`. A command is a name, a help line, a function that
 adds its arguments and a function that runs it and returns an exit code; `COMMANDS.add()` is

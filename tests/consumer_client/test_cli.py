@@ -1,0 +1,137 @@
+"""The `kvpark` operator CLI against running producers: in-process (calling `main`) and as the
+installed command in a subprocess; exit codes; the subcommand registry and its plugin hook."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ProducerProcess, free_port, park, running_producer, stub_for
+from consumer_support import in_thread, joined, park_sync, payload
+
+from consumer_client import cli
+
+
+async def run_cli(*argv: str) -> int:
+    return int(await in_thread(cli.main, list(argv)))
+
+
+async def test_info_lookup_fetch_release(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        chunks = payload(3, 5000)
+        await park(stub, "cli-1", chunks, total=3)
+        await park(stub, "cli-2", chunks, total=3)
+        t = ("--target", server.target)
+
+        assert await run_cli(*t, "info") == cli.EXIT_OK
+        assert f"producer_epoch: {server.epoch}" in capsys.readouterr().out
+
+        assert await run_cli("info", *t, "--json") == cli.EXIT_OK  # options after the command
+        info = json.loads(capsys.readouterr().out)
+        assert info["producer_epoch"] == server.epoch and info["target"] == server.target
+
+        assert await run_cli(*t, "lookup", "cli-1", "nope") == cli.EXIT_OK
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("cli-1\tPARKED") and "chunks 3/3" in lines[0]
+        assert lines[1].startswith("nope\tUNKNOWN")
+
+        out = tmp_path / "kv.bin"
+        code = await run_cli(*t, "fetch", "cli-1", "--chunks", "3", "--out", str(out))
+        assert code == cli.EXIT_OK
+        assert out.read_bytes() == joined(chunks)
+        assert "fetched cli-1: 3 chunks" in capsys.readouterr().out
+
+        again = tmp_path / "again.bin"
+        code = await run_cli(*t, "--json", "fetch", "cli-1", "--out", str(again))
+        assert code == cli.EXIT_FAILED and not again.exists()
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["reason"] == "ALREADY_CONSUMED" and summary["out"] is None
+
+        assert await run_cli(*t, "release", "cli-2") == cli.EXIT_OK
+        assert capsys.readouterr().out.strip() == "released cli-2"
+        assert await run_cli(*t, "release", "cli-2") == cli.EXIT_FAILED
+        assert "RELEASED" in capsys.readouterr().out
+
+
+async def test_exit_codes_for_usage_and_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    assert await run_cli("--target", dead, "--rpc-timeout", "2", "info") == cli.EXIT_RPC
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert await run_cli("--target", dead, "lookup", "bad\x01id") == cli.EXIT_USAGE
+    assert "control character" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fetch", "x"])  # --out is required
+    assert exit_.value.code == cli.EXIT_USAGE
+    with pytest.raises(SystemExit):
+        cli.main(["--rpc-timeout", "-1", "info"])
+    capsys.readouterr()
+
+
+def test_installed_command_against_a_producer_process(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    producer = producer_process()
+    chunks = payload(2, 3000)
+    park_sync(producer.target, "proc-id", chunks, total=2)
+    script = Path(sys.executable).parent / "kvpark"
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "consumer_client"]
+
+    def run(*argv: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [*base, "--target", producer.target, *argv], capture_output=True, timeout=60
+        )
+
+    info = run("--json", "info")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["version"]
+    fetched = run("fetch", "proc-id", "--chunks", "2", "--out", "-")
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout == joined(chunks)  # the payload owns stdout
+    assert b"fetched proc-id" in fetched.stderr
+    looked = run("lookup", "proc-id")
+    assert looked.returncode == 0 and b"TOMBSTONED (ALREADY_CONSUMED)" in looked.stdout
+
+
+def test_commands_are_registered_in_one_registry_and_plugins_can_add_more() -> None:
+    names = cli.COMMANDS.names()
+    assert names[:4] == ["info", "lookup", "fetch", "release"]
+    for name in names[:4]:  # the module docstring shows every built-in command
+        assert f"kvpark {name}" in (cli.__doc__ or "")
+
+    registry = cli.CommandRegistry()
+    for command in cli.COMMANDS:
+        registry.add(command)
+    ran: list[object] = []
+
+    def register(commands: cli.CommandRegistry) -> None:
+        commands.add(
+            cli.Command(
+                "bench",
+                "measure load throughput",
+                lambda p: p.add_argument("--size", default="1GiB"),
+                lambda args: ran.append((args.target, args.size)) or 0,
+            )
+        )
+
+    plugin = types.ModuleType("fake_kvpark_bench_plugin")
+    plugin.register = register  # type: ignore[attr-defined]
+    broken = types.ModuleType("broken_plugin")  # no register(): ignored
+    sys.modules[plugin.__name__] = plugin
+    sys.modules[broken.__name__] = broken
+    try:
+        registry.load_plugins([plugin.__name__, broken.__name__, "no_such_plugin_module"])
+        registry.load_plugins([plugin.__name__])  # once per module
+    finally:
+        del sys.modules[plugin.__name__], sys.modules[broken.__name__]
+    assert registry.names() == [*names, "bench"]
+    args = cli.build_parser(registry).parse_args(["bench", "--target", "h:1", "--size", "2GiB"])
+    assert args.run(args) == 0 and ran == [("h:1", "2GiB")]
+    with pytest.raises(ValueError, match="twice"):
+        registry.add(cli.COMMANDS._commands["info"])

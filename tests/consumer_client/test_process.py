@@ -1,0 +1,117 @@
+"""Against `python -m producer_service` subprocesses, where a process must die or restart:
+a producer SIGKILLed mid-stream, and a restarted producer answering an old epoch."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import conftest
+import numpy as np
+import pytest
+from conftest import MiB, ProducerProcess, free_port
+from consumer_support import park_sync, payload, wait_for
+
+from consumer_client import AsyncKVConsumer, KVConsumer, LoadPath, Reason, TransportError
+
+Start = Callable[..., ProducerProcess]
+
+
+def test_producer_killed_mid_stream_ends_the_load_fast_and_recomputes_the_rest(
+    producer_process: Start,
+) -> None:
+    """Chunks 0-3 of 8 are parked; the stream delivers them and waits for chunk 4. SIGKILL:
+    the load ends within a second or two with a transport reason, and `load_or_recompute`
+    calls recompute(k) with k = the chunks already loaded (verified, in `into`)."""
+    producer = producer_process(max_fetch_wait_s=60)
+    chunks = payload(4, 1 * MiB, seed=7)
+    assert park_sync(producer.target, "victim", chunks, total=8).chunks_parked == 4
+    into = np.zeros(8 * MiB + 64, np.uint8)
+    landed: list[int] = []
+    recomputed: list[int] = []
+    outcome: dict[str, Any] = {}
+
+    def worker() -> None:
+        with KVConsumer(producer.target, timeout=30) as client:
+            outcome["report"] = client.load_or_recompute(
+                "victim",
+                num_chunks=8,
+                into=into,
+                on_chunk=lambda index, cid, data: landed.append(cid),
+                recompute=recomputed.append,
+            )
+            outcome["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    wait_for(lambda: len(landed) == 4, what="the parked chunks to land")
+    producer.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the load must end when the producer dies"
+    report = outcome["report"]
+    assert outcome["ended"] - killed < 2.0, "ended within a second or two of the kill"
+    assert report.result.reason is Reason.UNAVAILABLE
+    assert report.path is LoadPath.PARTIAL
+    assert report.result.chunks_loaded == 4 and recomputed == [4]
+    assert report.recomputed_from == 4
+    n = sum(len(c) for c in chunks.values())
+    assert into[:n].tobytes() == b"".join(chunks[i] for i in range(4))
+
+
+async def test_async_load_ends_fast_when_the_producer_is_killed(producer_process: Start) -> None:
+    producer = producer_process(max_fetch_wait_s=60)
+    park_sync(producer.target, "victim", payload(1, 1000), total=2)
+    landed = asyncio.Event()
+    async with AsyncKVConsumer(producer.target) as client:
+        task = asyncio.create_task(
+            client.load("victim", num_chunks=2, on_chunk=lambda *_: landed.set())
+        )
+        await asyncio.wait_for(landed.wait(), 10)
+        producer.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        result = await asyncio.wait_for(task, 10)
+        assert time.monotonic() - killed < 2.0
+        assert result.reason is Reason.UNAVAILABLE and result.chunks_loaded == 1
+        # The next contact fails fast too, as a value for loads and an exception for RPCs.
+        assert (await client.load("victim", num_chunks=1)).reason is Reason.UNAVAILABLE
+        try:
+            await client.lookup(["victim"])
+        except TransportError:
+            pass
+        else:
+            raise AssertionError("lookup on a dead producer must raise TransportError")
+
+
+def test_restarted_producer_answers_epoch_mismatch_at_once(
+    producer_process: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both processes must listen on the same port. conftest.start_producer_process computes its
+    # target from the port it draws (a `listen` override is not reflected in `.target`), so
+    # the ports it draws are pinned instead: (grpc, metrics) for each start.
+    port = free_port()
+    drawn = iter([port, free_port(), port, free_port()])
+    monkeypatch.setattr(conftest, "free_port", lambda: next(drawn))
+    first = producer_process()
+    with KVConsumer(first.target) as client:
+        old_epoch = client.server_info().producer_epoch
+        reply = park_sync(first.target, "kv-1", payload(2, 1000), total=2)
+        assert reply.producer_epoch == old_epoch
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=10)
+        second = producer_process()
+        assert second.target == first.target
+        # Same client, same channel: it reconnects to the new process by itself.
+        result = client.load("kv-1", num_chunks=2, expected_epoch=old_epoch)
+        assert result.reason is Reason.EPOCH_MISMATCH, result
+        assert result.elapsed_s < 1.0, "answered at once"
+        assert result.producer_epoch == 0 and result.path is LoadPath.RECOMPUTE
+        new_epoch = client.server_info().producer_epoch  # re-read after the mismatch
+        assert new_epoch not in (0, old_epoch)
+        # The id itself died with the old process.
+        assert client.lookup(["kv-1"])[0].state == "UNKNOWN"
+        wait_for(lambda: second.proc.poll() is None, what="the new producer to stay up")
