@@ -19,7 +19,8 @@ The long-lived tables (who adds, who removes, what cleans up leftovers):
   Park; removed when the id ends (consumed, reaped, released, shut down) or when it holds no
   chunk and nothing is attached any more (a failed first batch, a cancelled demand).
 - `_leases: heap of (deadline, seq, entry)` — one entry per lease deadline ever set for a
-  PARKED id; stale items (id bound, ended, or deadline moved later) are skipped when popped, and
+  PARKED id; stale items (id bound, ended, deadline moved later, or superseded by a later push
+  for the same entry, see `_Entry.lease_seq`) are skipped when popped, and
   the heap is rebuilt when stale items outnumber live ones, so a reaper pass costs
   O(expired · log n) and the heap stays O(parked).
 - `_tombstones: id -> _Tombstone`, insertion-ordered = time-ordered. Added when an id ends;
@@ -113,6 +114,9 @@ class _Entry:
     nbytes: int = 0
     first_chunk_at: float | None = None
     lease_deadline: float | None = None  # None until the first chunk
+    # seq of the one `_leases` item that is live for this entry; older items are stale even if
+    # their deadline matches (a cancelled Fetch re-arms the same deadline).
+    lease_seq: int = -1
     intent_deadline: float = 0.0  # KeepAlive before the first chunk
     binding: FetchBinding | None = None
     open_batches: list[ParkBatch] = field(default_factory=list)
@@ -128,6 +132,9 @@ class ParkBatch:
     chunks_received: int = 0
     failed: Refusal | None = None
     done: bool = False
+    # Set when a Fetch consumed the id while this batch was open: what it parked was
+    # delivered, so its stream may still end well (chunks sent after that are refused).
+    consumed: ParkDone | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -334,6 +341,8 @@ class Lot:
 
     def finish_park(self, batch: ParkBatch) -> ParkDone | Refusal:
         """Closes a batch whose stream ended normally."""
+        if batch.consumed is not None:
+            return batch.consumed
         if batch.failed is not None:
             return batch.failed
         self._close_batch(batch)
@@ -390,6 +399,9 @@ class Lot:
         s = self.settings
         entry.first_chunk_at = now
         intent = max(entry.intent_deadline, self._intents.pop(entry.kv_request_id, 0.0))
+        # Kept on the entry: if this first batch fails, the id is unparked again and
+        # `_drop_if_idle` puts the intent back.
+        entry.intent_deadline = intent
         entry.lease_deadline = min(
             max(now + s.unbound_store_timeout_s, intent), now + s.max_lease_s
         )
@@ -481,6 +493,8 @@ class Lot:
 
     def fetch_wait_expired(self, binding: FetchBinding) -> FetchEnd:
         """The Fetch waited its whole wait time for chunks that were not parked."""
+        if binding.failed is not None:  # the id ended meanwhile (shutdown): that is the cause
+            return self._end(binding, binding.failed)
         missing = self._first_missing(binding)
         return self._end(binding, Refusal(WAIT_TIMEOUT, f"chunk {missing} not parked in time"))
 
@@ -611,16 +625,18 @@ class Lot:
         return reaped
 
     def _lease_item_live(self, item: tuple[float, int, _Entry]) -> bool:
-        deadline, _, entry = item
+        deadline, seq, entry = item
         return (
             entry.binding is None
+            and entry.lease_seq == seq
             and entry.lease_deadline == deadline
             and self._entries.get(entry.kv_request_id) is entry
         )
 
     def _push_lease(self, entry: _Entry) -> None:
         assert entry.lease_deadline is not None
-        heapq.heappush(self._leases, (entry.lease_deadline, next(self._seq), entry))
+        entry.lease_seq = next(self._seq)
+        heapq.heappush(self._leases, (entry.lease_deadline, entry.lease_seq, entry))
 
     def _prune(self, now: float) -> None:
         horizon = now - self.settings.tombstone_retention_s
@@ -655,9 +671,12 @@ class Lot:
     def _end_entry(self, entry: _Entry, reason: Reason) -> None:
         """Frees an id's memory, fails what is attached to it, and tombstones it."""
         now = self.clock()
+        parked = len(entry.chunks)
         for batch in list(entry.open_batches):
             batch.stored_ids.clear()  # freed below with the rest of the id
             batch.failed = Refusal(reason, f"id ended: {reason_name(reason)}")
+            if reason == ALREADY_CONSUMED:
+                batch.consumed = ParkDone(parked, 0.0)
             self._close_batch(batch)
         for stored in entry.chunks.values():
             self._free_chunk(entry, stored)
@@ -692,7 +711,10 @@ class Lot:
             and self._entries.get(entry.kv_request_id) is entry
         ):
             del self._entries[entry.kv_request_id]
-            if entry.intent_deadline > self.clock():
+            # Never shorten an intent recorded before this entry existed.
+            if entry.intent_deadline > max(
+                self.clock(), self._intents.get(entry.kv_request_id, 0.0)
+            ):
                 self._intents[entry.kv_request_id] = entry.intent_deadline
                 heapq.heappush(self._intent_heap, (entry.intent_deadline, entry.kv_request_id))
                 self._cap_intents()

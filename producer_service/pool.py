@@ -89,7 +89,8 @@ class HostPool:
         self._free_pages: list[int] = list(range(self.total_pages - 1, -1, -1))
         self._slots: list[_Slot] = []
         self._free_slots: list[int] = []  # indices of _slots not in use, reused LIFO
-        self._reservations: set[int] = set()  # id() of open reservations
+        # Open reservations by id(); held here so check_invariants can see their pages.
+        self._reservations: dict[int, Reservation] = {}
         self._reserved_pages = 0  # pages held by open reservations, not yet in a slot
         self._stored_bytes = 0
         self._slots_in_use = 0
@@ -114,7 +115,7 @@ class HostPool:
             return None
         pages = [self._free_pages.pop() for _ in range(need)]
         reservation = Reservation(pages=pages, nbytes=nbytes)
-        self._reservations.add(id(reservation))
+        self._reservations[id(reservation)] = reservation
         self._reserved_pages += need
         return reservation
 
@@ -123,7 +124,7 @@ class HostPool:
         if not reservation.open:
             return
         reservation.open = False
-        self._reservations.discard(id(reservation))
+        self._reservations.pop(id(reservation), None)
         self._reserved_pages -= len(reservation.pages)
         self._free_pages.extend(reversed(reservation.pages))
         reservation.pages = []
@@ -245,10 +246,12 @@ class HostPool:
     def check_invariants(self) -> None:
         """Raises AssertionError if any page is lost, doubly owned, or a counter is off."""
         slot_pages = [p for s in self._slots if s.in_use for p in s.pages]
-        owners = len(self._free_pages) + self._reserved_pages + len(slot_pages)
+        reserved = [p for r in self._reservations.values() for p in r.pages]
+        assert len(reserved) == self._reserved_pages, "reserved page count is off"
+        owners = len(self._free_pages) + len(reserved) + len(slot_pages)
         assert owners == self.total_pages, f"pages: {owners} owned of {self.total_pages}"
-        seen = set(self._free_pages) | set(slot_pages)
-        assert len(seen) == len(self._free_pages) + len(slot_pages), "a page is owned twice"
+        seen = set(self._free_pages) | set(reserved) | set(slot_pages)
+        assert len(seen) == owners, "a page is owned twice"
         in_use = [s for s in self._slots if s.in_use]
         assert self._slots_in_use == len(in_use) >= 0, "slot count is off"
         assert self._stored_bytes == sum(s.nbytes for s in in_use) >= 0, "stored bytes are off"
