@@ -1,0 +1,64 @@
+"""Drift checks between the compose files, the producer's config keys and the README.
+
+No Docker needed (not marked `compose`): these run everywhere. The producer rejects unknown
+KVPARK_ variables, so a misspelt key in a compose file would only show up as a producer that
+exits 2 at start; the demo workers read DEMO_* variables and must never be handed KVPARK_ ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from producer_service.config import CONFIG_ENV_VAR, KEYS
+
+from .stack import DEMO_FILE, ROOT, TEST_FILE, TLS_FILE
+
+COMPOSE_FILES = (DEMO_FILE, TLS_FILE, TEST_FILE)
+DEMO_COMMAND = "docker compose up --build --exit-code-from decode-worker"
+
+
+def services(path: Path) -> dict[str, str]:
+    """Service name -> its block of text (2-space indented YAML under `services:`)."""
+    text = path.read_text()
+    body = text.split("\nservices:\n", 1)[1]
+    blocks: dict[str, str] = {}
+    name = None
+    for line in body.splitlines():
+        if m := re.fullmatch(r"  ([a-z][a-z0-9-]*):", line):
+            name = m.group(1)
+            blocks[name] = ""
+        elif name is not None and (line.startswith("    ") or not line.strip()):
+            blocks[name] += line + "\n"
+        elif line.strip() and not line.startswith(" "):
+            name = None
+    return blocks
+
+
+def env_keys(block: str) -> set[str]:
+    return set(re.findall(r"^\s+(KVPARK_[A-Z0-9_]+):", block, flags=re.M))
+
+
+def test_producer_env_keys_are_config_keys() -> None:
+    known = {spec.env_var for spec in KEYS.values()} | {CONFIG_ENV_VAR}
+    for path in COMPOSE_FILES:
+        keys = env_keys(services(path).get("producer", ""))
+        assert keys, f"{path.name}: no KVPARK_ keys on the producer?"
+        assert keys <= known, f"{path.name}: unknown producer keys {sorted(keys - known)}"
+
+
+def test_workers_get_no_producer_variables() -> None:
+    for path in COMPOSE_FILES:
+        for name, block in services(path).items():
+            if name != "producer":
+                assert not env_keys(block), f"{path.name}: {name} is given KVPARK_ variables"
+
+
+def test_readme_quick_start_runs_the_demo_service() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert DEMO_COMMAND in readme
+    demo = services(DEMO_FILE)
+    assert {"producer", "prefill-worker", "decode-worker"} <= set(demo)
+    for worker in ("prefill-worker", "decode-worker"):
+        assert "condition: service_healthy" in demo[worker], worker
+    assert DEMO_COMMAND in DEMO_FILE.read_text()

@@ -1,0 +1,90 @@
+"""The demo and the happy paths across containers (compose suite, see conftest.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+from consumer_client import KVConsumer, LoadPath, Reason, State
+
+from .conftest import FETCH_TOKEN, PARK_TOKEN
+from .stack import LEASE_S, Stack, demo_rows, park, run_demo, wait_for
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+KiB = 1024
+
+
+def random_chunks(n: int, size: int) -> dict[int, bytes]:
+    return {i: os.urandom(size) for i in range(n)}
+
+
+def test_demo_across_containers(producer: Stack) -> None:
+    """Prefill container -> producer container -> decode container: the README's demo. The
+    decode worker checks every byte against the prefill worker's KV and exits 0 only when each
+    request took its expected path."""
+    output = run_demo(producer)
+    rows = demo_rows(output)
+    assert rows["on-time"][1:3] == ["remote", "-"], output
+    assert rows["late"][1:3] == ["recompute", "REAPED"], output
+    assert rows["queued"][1:3] == ["remote", "-"], output
+    assert "every byte matches the prefill worker's KV" in output
+
+
+def test_happy_path_host_to_container(producer: Stack) -> None:
+    """Parked from the host over the published port, loaded by a decode container over the
+    compose network: the bytes arrive intact."""
+    kid = f"happy-{time.time_ns()}"
+    chunks = random_chunks(8, 256 * KiB)
+    park(producer.target, PARK_TOKEN, kid, chunks, total_chunks=8)
+    expected = hashlib.sha256(b"".join(chunks.values())).hexdigest()
+    # Starting a container takes longer than the test producer's 2 s lease: hold it, as a
+    # decode worker does for a request waiting in its queue.
+    with KVConsumer(producer.target, token=FETCH_TOKEN) as kv:
+        kv.extend_leases([kid], 30)
+
+    result = producer.run_loader(kid, "--chunks", "8", "--buffer-bytes", str(8 * 256 * KiB))
+
+    assert result["ok"] and result["path"] == "remote", result
+    assert result["chunks_loaded"] == 8 and result["bytes"] == 8 * 256 * KiB
+    assert result["sha256"] == expected
+
+
+def test_happy_path_over_published_port(producer: Stack) -> None:
+    """A decode worker outside the compose network reaches the producer through its published
+    port and loads into its own numpy buffer; the id is consumed afterwards."""
+    kid = f"host-{time.time_ns()}"
+    chunks = random_chunks(4, 512 * KiB)
+    park(producer.target, PARK_TOKEN, kid, chunks, total_chunks=4)
+    buf = np.empty(4 * 512 * KiB, dtype=np.uint8)
+    with KVConsumer(producer.target, token=FETCH_TOKEN, timeout=10) as kv:
+        result = kv.load(kid, num_chunks=4, into=buf)
+        assert result.ok, result
+        assert buf.tobytes() == b"".join(chunks.values())
+        assert kv.lookup([kid])[0].reason is Reason.ALREADY_CONSUMED
+
+
+def test_late_fetch_answered_reaped_at_once(producer: Stack) -> None:
+    """A fetch after the lease ran out is answered REAPED in one round trip, from a decode
+    container and from the host, far below the load timeout."""
+    kid = f"late-{time.time_ns()}"
+    park(producer.target, PARK_TOKEN, kid, random_chunks(4, 64 * KiB), total_chunks=4)
+    with KVConsumer(producer.target, token=FETCH_TOKEN, timeout=10) as kv:
+        reaped = wait_for(
+            lambda: (s := kv.lookup([kid])[0]).state is State.TOMBSTONED and s,
+            timeout=LEASE_S + 10,
+            what="the id to be reaped",
+        )
+        assert reaped.reason is Reason.REAPED
+
+        result = producer.run_loader(kid, "--chunks", "4", "--buffer-bytes", str(256 * KiB))
+        assert result["reason"] == "REAPED" and result["path"] == "recompute", result
+        assert result["recompute_calls"] == [0]
+        assert result["elapsed_s"] < 0.5, result
+
+        host = kv.load(kid, num_chunks=4, timeout=10)
+        assert host.reason is Reason.REAPED and host.path is LoadPath.RECOMPUTE
+        assert host.elapsed_s < 0.5, host
