@@ -79,11 +79,20 @@ class Soak:
                 return message.done
         return None
 
+    def tombstoned(self, kid: str):  # type: ignore[no-untyped-def]
+        async def check() -> bool:
+            reply = await self.stub.Lookup(pb.LookupRequest(kv_request_ids=[kid]))
+            return bool(reply.states[0].state == pb.STATE_TOMBSTONED)
+
+        return check
+
     async def one_id(self, kid: str) -> None:
-        chunks = self.plan(kid)
         action = self.rng.choice(
-            ["fetch", "cancel-refetch", "abandon", "release", "keepalive", "early", "late"]
+            ["fetch", "cancel-refetch", "abandon", "release", "keepalive", "early", "late", "hog"]
         )
+        chunks = self.plan(kid)
+        if action == "hog":  # a large abandoned id: keeps the small pool near exhaustion
+            chunks = {c: payload(kid, c, 512 * 1024) for c in range(6)}
         if action == "early":  # fetch before park
             fetching = asyncio.create_task(self.fetch(kid, wait=0.3))
             await self.park(kid, chunks)
@@ -105,9 +114,9 @@ class Soak:
             await self.stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=[kid], extend_s=0.5))
             await self.fetch(kid)
         elif action == "late":  # fetch after the lease ran out: REAPED, answered from the tombstone
-            await asyncio.sleep(0.25)
+            await wait_until(self.tombstoned(kid), timeout=10, what=f"{kid} reaped")
             done = await self.fetch(kid)
-            assert done is not None and done.status == pb.STATUS_FAILED
+            assert done is not None and done.reason == pb.REASON_REAPED
         # "abandon": never fetched; the reaper frees it.
 
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from conftest import MiB, make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from producer_service.server import ProducerServer
@@ -288,6 +288,54 @@ def do_unary(p: ThreadedProducer, op: dict[str, Any]) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(ops=st.lists(operation, min_size=1, max_size=12))
+# Fixed cases besides the random ones, so the paths below are reached on every run.
+@example(
+    ops=[
+        {
+            "op": "park",
+            "id": "a",
+            "total": 3,
+            "batch_bytes": 0,
+            "header": "first",
+            "cancel_after": None,
+            "chunks": [(0, 1000, "crc", 0), (1, 1000, "nocrc", 0)],
+        },
+        {
+            "op": "park",
+            "id": "a",
+            "total": 3,
+            "batch_bytes": 0,
+            "header": "first",
+            "cancel_after": None,
+            "chunks": [(1, 1000, "crc", 1)],
+        },  # same chunk, other bytes: CHUNK_CONFLICT
+        {
+            "op": "park",
+            "id": "b",
+            "total": 0,
+            "batch_bytes": 0,
+            "header": "first",
+            "cancel_after": None,
+            "chunks": [(0, 500, "badcrc", 0)],
+        },  # CHECKSUM_MISMATCH
+        {
+            "op": "fetch",
+            "id": "a",
+            "chunk_ids": [],
+            "epoch": "other",
+            "wait": 0.0,
+            "cancel_after": None,
+        },
+        {
+            "op": "fetch",
+            "id": "a",
+            "chunk_ids": [1, 0],
+            "epoch": "current",
+            "wait": 0.05,
+            "cancel_after": None,
+        },
+    ]
+)
 def test_hostile_sequences_get_defined_answers_and_keep_invariants(
     producer: ThreadedProducer, ops: list[dict[str, Any]]
 ) -> None:
@@ -307,8 +355,12 @@ def test_hostile_run_reached_the_interesting_outcomes(producer: ThreadedProducer
     from prometheus_client import generate_latest
 
     text = generate_latest(producer.server.metrics.registry).decode()
-    for needle in ['status="ok"', 'reason="chunk_conflict"', 'reason="checksum_mismatch"',
-                   'reason="epoch_mismatch"']:
+    for needle in [
+        'status="ok"',
+        'reason="chunk_conflict"',
+        'reason="checksum_mismatch"',
+        'reason="epoch_mismatch"',
+    ]:
         assert needle in text, needle
     stats = producer.on_loop(producer.server.lot.statistics)
     assert stats.parked_bytes_total > 0
