@@ -54,11 +54,21 @@ def test_workers_get_no_producer_variables() -> None:
                 assert not env_keys(block), f"{path.name}: {name} is given KVPARK_ variables"
 
 
-def test_readme_quick_start_runs_the_demo_service() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert DEMO_COMMAND in readme
+def test_demo_start_order_is_gated_on_health() -> None:
+    """producer healthy -> decode worker healthy (its keep-alive runs) -> prefill worker."""
     demo = services(DEMO_FILE)
-    assert {"producer", "prefill-worker", "decode-worker"} <= set(demo)
-    for worker in ("prefill-worker", "decode-worker"):
-        assert "condition: service_healthy" in demo[worker], worker
+    gates = {
+        name: re.findall(r"^      ([a-z-]+):\n        condition: (\S+)", block, re.M)
+        for name, block in demo.items()
+    }
+    assert gates["decode-worker"] == [("producer", "service_healthy")]
+    assert gates["prefill-worker"] == [
+        ("producer", "service_healthy"),
+        ("decode-worker", "service_healthy"),
+    ]
+
+
+def test_readme_and_compose_file_give_the_same_demo_command() -> None:
+    # tests/test_docs_drift.py checks the service name; this checks the whole command.
+    assert DEMO_COMMAND in (ROOT / "README.md").read_text()
     assert DEMO_COMMAND in DEMO_FILE.read_text()
