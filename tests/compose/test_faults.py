@@ -87,6 +87,7 @@ def test_producer_killed_mid_stream_falls_back_fast(producer: Stack) -> None:
     assert report.result.chunks_loaded == PARKED
     assert recomputed == [PARKED]
     assert took < 2.0, f"fell back {took:.2f}s after the kill"
+    print(f"killed: {report.reason} and recompute({PARKED}) {took:.2f}s after `docker kill`")
 
 
 def test_producer_paused_load_times_out_then_recovers(producer: Stack) -> None:
@@ -112,6 +113,7 @@ def test_producer_paused_load_times_out_then_recovers(producer: Stack) -> None:
     assert report.reason is Reason.TIMEOUT, report.result
     assert report.path is LoadPath.RECOMPUTE and recomputed == [0]
     assert timeout_s <= took <= timeout_s + 1.0, f"load took {took:.2f}s for a {timeout_s}s timeout"
+    print(f"paused: TIMEOUT after {took:.3f}s (timeout {timeout_s}s)")
 
     producer.wait_healthy(timeout=30)
     assert serving(producer.target)
@@ -142,6 +144,7 @@ def test_producer_restarted_old_epoch_mismatch_at_once(producer: Stack) -> None:
     assert new_epoch != old_epoch
     assert result.reason is Reason.EPOCH_MISMATCH, result
     assert result.elapsed_s < 1.0, result
+    print(f"restarted: EPOCH_MISMATCH in {result.elapsed_s * 1000:.1f} ms (first contact included)")
 
 
 def test_decode_container_disconnected_mid_stream(producer: Stack) -> None:
@@ -188,4 +191,7 @@ def test_decode_container_disconnected_mid_stream(producer: Stack) -> None:
             what="the id to be reaped",
         )
         assert reaped.reason is Reason.REAPED
-    print(f"producer saw the cut peer after {detected_s:.1f}s")
+    print(
+        f"cut: loader {result['reason']} after {result['elapsed_s']:.2f}s, recompute({PARKED}); "
+        f"PARKED again {detected_s:.1f}s after the cut, then REAPED"
+    )

@@ -88,3 +88,7 @@ def test_late_fetch_answered_reaped_at_once(producer: Stack) -> None:
         host = kv.load(kid, num_chunks=4, timeout=10)
         assert host.reason is Reason.REAPED and host.path is LoadPath.RECOMPUTE
         assert host.elapsed_s < 0.5, host
+    print(
+        f"late: REAPED in {result['elapsed_s'] * 1000:.1f} ms (container), "
+        f"{host.elapsed_s * 1000:.1f} ms (host)"
+    )
