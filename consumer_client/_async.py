@@ -22,17 +22,17 @@ from shared.pb import kvpark_pb2_grpc
 from ._core import (
     DEFAULT_RPC_TIMEOUT_S,
     FETCH_METHOD,
-    ClientCore,
+    ClientBase,
     Fallback,
     T,
-    batches,
     check_fallback,
-    extend_seconds,
     fallback_plan,
+    keepalive_requests,
+    lookup_requests,
     report,
     rpc_timeout,
+    states_of,
     valid_id,
-    valid_ids,
 )
 from ._errors import error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
@@ -62,7 +62,7 @@ class _Watchdog:
             self._handle = None
 
 
-class AsyncKVConsumer:
+class AsyncKVConsumer(ClientBase):
     """An asyncio kvpark client for one producer (`target`, "host:port").
 
     Use as an async context manager or call `aclose()`. The channel is opened on first use
@@ -79,7 +79,7 @@ class AsyncKVConsumer:
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
     ) -> None:
-        self._core = ClientCore(
+        super().__init__(
             target,
             timeout=timeout,
             token=token,
@@ -89,29 +89,10 @@ class AsyncKVConsumer:
         )
         self._lock = asyncio.Lock()
         self._channel: grpc.aio.Channel | None = None
-        self._fresh = False
         self._stub: Any = None
         self._fetch: Any = None
 
     # ---------------------------------------------------------------------------- lifecycle
-    @property
-    def target(self) -> str:
-        return self._core.target
-
-    @property
-    def timeout(self) -> Timeout:
-        """The default load timeout."""
-        return self._core.timeout
-
-    @property
-    def info(self) -> ProducerInfo | None:
-        """The producer's ServerInfo as of first contact (None before it)."""
-        return self._core.info
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
     async def aclose(self) -> None:
         """Closes the channel; in-flight loads end CANCELLED. Idempotent."""
         self._core.closed = True
@@ -128,9 +109,6 @@ class AsyncKVConsumer:
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
         await self.aclose()
-
-    def __repr__(self) -> str:
-        return f"AsyncKVConsumer({self.target!r}{', closed' if self.closed else ''})"
 
     def _open(self) -> None:
         core = self._core
@@ -158,8 +136,7 @@ class AsyncKVConsumer:
                 msg = await self._stub.GetServerInfo(
                     pb.GetServerInfoRequest(), timeout=timeout, metadata=self._core.metadata
                 )
-                info = ProducerInfo.from_proto(msg)
-                if self._core.accept_info(info, channel_fresh=self._fresh):
+                if self._accept_info(msg):
                     assert self._channel is not None
                     await self._channel.close()
                     self._open()
@@ -197,9 +174,8 @@ class AsyncKVConsumer:
     ) -> list[IdStatus]:
         """The state of each id, in order."""
         out: list[IdStatus] = []
-        for batch in batches(valid_ids(kv_request_ids)):
-            msg = await self._unary("Lookup", pb.LookupRequest(kv_request_ids=batch), timeout)
-            out.extend(IdStatus.from_proto(s) for s in msg.states)
+        for request in lookup_requests(kv_request_ids):
+            out += states_of(await self._unary("Lookup", request, timeout))
         return out
 
     async def extend_leases(
@@ -211,12 +187,9 @@ class AsyncKVConsumer:
     ) -> list[IdStatus]:
         """One KeepAlive call: leases last at least `extend_s` more (0 = the producer's
         unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop."""
-        extend = extend_seconds(extend_s)
         out: list[IdStatus] = []
-        for batch in batches(valid_ids(kv_request_ids)):
-            request = pb.KeepAliveRequest(kv_request_ids=batch, extend_s=extend)
-            msg = await self._unary("KeepAlive", request, timeout)
-            out.extend(IdStatus.from_proto(s) for s in msg.states)
+        for request in keepalive_requests(kv_request_ids, extend_s):
+            out += states_of(await self._unary("KeepAlive", request, timeout))
         return out
 
     async def release(

@@ -17,10 +17,11 @@ from typing import Any, Literal, TypeVar
 import grpc
 
 from shared.ids import check_id
+from shared.pb import kvpark_pb2 as pb
 
 from ._buffers import destination_for
 from ._errors import ClientClosedError, LoadFailedError, UsageError
-from ._models import ProducerInfo
+from ._models import IdStatus, ProducerInfo
 from ._result import LoadPath, LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk
 from ._timeouts import Timeout
@@ -197,6 +198,59 @@ class ClientCore:
         if result.reason is Reason.EPOCH_MISMATCH:
             self.info = None  # the producer restarted: re-read its ServerInfo
         return result
+
+
+class ClientBase:
+    """What `KVConsumer` and `AsyncKVConsumer` share that does not wait on anything: settings,
+    first-contact state and their read-only surface."""
+
+    def __init__(self, target: str, **settings: Any) -> None:
+        # `settings` are ClientCore's keyword arguments, spelled out on the public classes.
+        self._core = ClientCore(target, **settings)
+        # True while the open channel has carried nothing but first contact (it may then be
+        # rebuilt with a larger receive limit without disturbing any call).
+        self._fresh = False
+
+    @property
+    def target(self) -> str:
+        return self._core.target
+
+    @property
+    def timeout(self) -> Timeout:
+        """The default load timeout."""
+        return self._core.timeout
+
+    @property
+    def info(self) -> ProducerInfo | None:
+        """The producer's ServerInfo as of first contact (None before it, and again after the
+        producer went away or answered EPOCH_MISMATCH, until the next contact)."""
+        return self._core.info
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
+
+    def _accept_info(self, msg: Any) -> bool:
+        """Records a ServerInfo answer; True when the channel must be rebuilt."""
+        return self._core.accept_info(ProducerInfo.from_proto(msg), channel_fresh=self._fresh)
+
+
+# ------------------------------------------------------------------------ unary messages
+def lookup_requests(kv_request_ids: Iterable[str]) -> list[Any]:
+    return [pb.LookupRequest(kv_request_ids=b) for b in batches(valid_ids(kv_request_ids))]
+
+
+def keepalive_requests(kv_request_ids: Iterable[str], extend_s: float) -> list[Any]:
+    extend = extend_seconds(extend_s)
+    ids = valid_ids(kv_request_ids)
+    return [pb.KeepAliveRequest(kv_request_ids=b, extend_s=extend) for b in batches(ids)]
+
+
+def states_of(reply: Any) -> list[IdStatus]:
+    return [IdStatus.from_proto(s) for s in reply.states]
 
 
 # ---------------------------------------------------------------------------------- checks

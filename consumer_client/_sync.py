@@ -22,17 +22,17 @@ from shared.pb import kvpark_pb2_grpc
 from ._core import (
     DEFAULT_RPC_TIMEOUT_S,
     FETCH_METHOD,
-    ClientCore,
+    ClientBase,
     Fallback,
     T,
-    batches,
     check_fallback,
-    extend_seconds,
     fallback_plan,
+    keepalive_requests,
+    lookup_requests,
     report,
     rpc_timeout,
+    states_of,
     valid_id,
-    valid_ids,
 )
 from ._errors import error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
@@ -64,7 +64,7 @@ class _Watchdog:
             self._timer = None
 
 
-class KVConsumer:
+class KVConsumer(ClientBase):
     """A blocking kvpark client for one producer (`target`, "host:port").
 
     Use as a context manager or call `close()`. The channel is opened on first use and reused;
@@ -81,7 +81,7 @@ class KVConsumer:
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
     ) -> None:
-        self._core = ClientCore(
+        super().__init__(
             target,
             timeout=timeout,
             token=token,
@@ -91,29 +91,10 @@ class KVConsumer:
         )
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
-        self._fresh = False
         self._stub: Any = None
         self._fetch: Any = None
 
     # ---------------------------------------------------------------------------- lifecycle
-    @property
-    def target(self) -> str:
-        return self._core.target
-
-    @property
-    def timeout(self) -> Timeout:
-        """The default load timeout."""
-        return self._core.timeout
-
-    @property
-    def info(self) -> ProducerInfo | None:
-        """The producer's ServerInfo as of first contact (None before it)."""
-        return self._core.info
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
     def close(self) -> None:
         """Closes the channel; in-flight loads end CANCELLED. Idempotent."""
         with self._lock:
@@ -131,9 +112,6 @@ class KVConsumer:
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
         self.close()
-
-    def __repr__(self) -> str:
-        return f"KVConsumer({self.target!r}{', closed' if self.closed else ''})"
 
     def _open(self) -> None:
         core = self._core
@@ -160,8 +138,7 @@ class KVConsumer:
                 msg = self._stub.GetServerInfo(
                     pb.GetServerInfoRequest(), timeout=timeout, metadata=self._core.metadata
                 )
-                info = ProducerInfo.from_proto(msg)
-                if self._core.accept_info(info, channel_fresh=self._fresh):
+                if self._accept_info(msg):
                     assert self._channel is not None
                     self._channel.close()
                     self._open()
@@ -198,9 +175,8 @@ class KVConsumer:
     ) -> list[IdStatus]:
         """The state of each id, in order."""
         out: list[IdStatus] = []
-        for batch in batches(valid_ids(kv_request_ids)):
-            msg = self._unary("Lookup", pb.LookupRequest(kv_request_ids=batch), timeout)
-            out.extend(IdStatus.from_proto(s) for s in msg.states)
+        for request in lookup_requests(kv_request_ids):
+            out += states_of(self._unary("Lookup", request, timeout))
         return out
 
     def extend_leases(
@@ -212,12 +188,9 @@ class KVConsumer:
     ) -> list[IdStatus]:
         """One KeepAlive call: leases last at least `extend_s` more (0 = the producer's
         unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop."""
-        extend = extend_seconds(extend_s)
         out: list[IdStatus] = []
-        for batch in batches(valid_ids(kv_request_ids)):
-            request = pb.KeepAliveRequest(kv_request_ids=batch, extend_s=extend)
-            msg = self._unary("KeepAlive", request, timeout)
-            out.extend(IdStatus.from_proto(s) for s in msg.states)
+        for request in keepalive_requests(kv_request_ids, extend_s):
+            out += states_of(self._unary("KeepAlive", request, timeout))
         return out
 
     def release(
