@@ -241,7 +241,7 @@ class AsyncKVConsumer(ClientBase):
             on_chunk=on_chunk,
         )
         try:
-            await self._contact(session.remaining_s())
+            await self._contact(session.contact_timeout_s(DEFAULT_RPC_TIMEOUT_S))
         except grpc.aio.AioRpcError as exc:
             session.contact_failed(exc.code(), exc.details())
         if not session.decided and not session.out_of_time():

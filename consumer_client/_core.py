@@ -46,7 +46,9 @@ KEEPALIVE_PING_MS = 2_000
 KEEPALIVE_TIMEOUT_MS = 2_000
 # Reconnect quickly after a producer restart: a decode worker should see the new process (and
 # its EPOCH_MISMATCH answers) within a second or two, not after grpc's default 120 s backoff.
-RECONNECT_BACKOFF_MS = (100, 2_000)
+# (Not grpc.min_reconnect_backoff_ms: grpc core also uses it as the minimum time a connection
+# attempt may take, default 20 s; lowering it fails slow handshakes, e.g. TLS on a busy node.)
+RECONNECT_BACKOFF_MS = (100, 2_000)  # initial, max
 MAX_IDS_PER_CALL = 10_000
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
@@ -98,7 +100,6 @@ class ClientCore:
             "grpc.keepalive_permit_without_calls": 0,
             "grpc.http2.max_pings_without_data": 0,
             "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
-            "grpc.min_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
             "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[1],
         }
         options.update(self._extra_options)  # the caller's options win

@@ -108,6 +108,12 @@ class LoadSession:
             return None
         return max(0.0, self.first_chunk_deadline - self._clock())
 
+    def contact_timeout_s(self, fallback_s: float) -> float:
+        """Deadline for first contact inside this load: what is left of the load's limits (the
+        first-chunk one included: nothing has arrived yet), or `fallback_s` when unbounded."""
+        left = [t for t in (self.remaining_s(), self.first_chunk_remaining_s()) if t is not None]
+        return min(left) if left else fallback_s
+
     def out_of_time(self) -> bool:
         """True (and the outcome decided TIMEOUT) when no time is left to start the Fetch."""
         left = [t for t in (self.remaining_s(), self.first_chunk_remaining_s()) if t is not None]
@@ -215,6 +221,11 @@ class LoadSession:
 
     def contact_failed(self, code: grpc.StatusCode | None, details: str) -> None:
         """First contact (GetServerInfo) failed before the Fetch could start."""
+        if classify_status(code).load_reason is Reason.TIMEOUT:
+            elapsed = self._clock() - self.started
+            detail = f"load timeout after {elapsed:.3f}s, during first contact (ServerInfo)"
+            self._decide(Reason.TIMEOUT, detail, code)
+            return
         self.rpc_failed(code, f"first contact: {details}", timed_out=False)
 
     # ------------------------------------------------------------------------------- result

@@ -242,7 +242,7 @@ class KVConsumer(ClientBase):
             on_chunk=on_chunk,
         )
         try:
-            self._contact(session.remaining_s())
+            self._contact(session.contact_timeout_s(DEFAULT_RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
             session.contact_failed(exc.code(), exc.details())
         if not session.decided and not session.out_of_time():

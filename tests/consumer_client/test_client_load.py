@@ -486,3 +486,32 @@ async def test_tls_credentials(tmp_path) -> None:  # type: ignore[no-untyped-def
                 return c.server_info().producer_epoch
 
         assert await in_thread(sync) == server.epoch
+
+
+@pytest.mark.parametrize(
+    ("timeout", "limit"),
+    [(Timeout(1.0), 1.0), (Timeout(total_s=None, first_chunk_s=0.5), 0.5)],
+)
+async def test_unresponsive_producer_times_out_at_the_load_timeout(
+    timeout: Timeout, limit: float
+) -> None:
+    """A peer that accepts TCP and never answers (a paused container, a hung host): first
+    contact is bounded by the load's own limits, so the load ends TIMEOUT on time."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes handshakes; nobody ever reads
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+        async with AsyncKVConsumer(target) as client:
+            result = await client.load("x", num_chunks=1, timeout=timeout)
+        assert result.reason is Reason.TIMEOUT
+        assert limit <= result.elapsed_s < limit + 0.5
+
+        def sync() -> object:
+            with KVConsumer(target) as c:
+                return c.load("x", num_chunks=1, timeout=timeout)
+
+        result = await in_thread(sync)
+        assert result.reason is Reason.TIMEOUT  # type: ignore[attr-defined]
+        assert limit <= result.elapsed_s < limit + 0.5  # type: ignore[attr-defined]
