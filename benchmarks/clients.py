@@ -1,0 +1,263 @@
+"""The benchmark's clients: a raw Park uploader, and loaders for Fetch.
+
+Park: the prefill side has no client library in this repository, so the benchmark uploads the
+way a careful prefill worker would — `ParkRequest` frames built by `shared.wire` (byte-identical
+to the generated stubs, performance-notes.md lever 2) sent on a method registered with an
+identity serializer, one declared batch (`batch_bytes`, `total_chunks`) per id.
+
+Fetch: `ConsumerLoader` is the product — `consumer_client.KVConsumer.load(..., into=<numpy
+array>)`. `RawLoader` is a minimal stand-in with the same shape (frames parsed by
+`shared.wire`, CRC32C checked, one copy into the caller's array) used only when
+`consumer_client` is not importable; the report says which one ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+
+from shared import wire
+from shared.checksum import crc32c_of
+from shared.pb import kvpark_pb2 as pb
+
+from .data import U8
+from .env import MiB, channel_options
+
+_SERVICE = "/kvpark.v1.KVProducer/"
+# Room for the largest chunk plus framing, on every channel the benchmark opens.
+MAX_MESSAGE_BYTES = 64 * MiB
+# Load timeout of every benchmark load; below the producer's tombstone_retention_s (spec §5).
+LOAD_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Loaded:
+    ok: bool
+    reason: str
+    chunks: int
+    nbytes: int
+    seconds: float
+
+
+class Loader(Protocol):
+    name: str
+
+    def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded: ...
+
+    def close(self) -> None: ...
+
+
+def open_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=channel_options(MAX_MESSAGE_BYTES))
+
+
+class Parker:
+    """Uploads one id's chunks in one declared Park batch over raw frames."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = open_channel(target)
+        self._park = self._channel.stream_unary(
+            _SERVICE + "Park",
+            request_serializer=None,  # frames are already bytes
+            response_deserializer=pb.ParkResponse.FromString,
+        )
+        self._lookup = self._channel.unary_unary(
+            _SERVICE + "Lookup",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        self._release = self._channel.unary_unary(
+            _SERVICE + "Release",
+            request_serializer=pb.ReleaseRequest.SerializeToString,
+            response_deserializer=pb.ReleaseResponse.FromString,
+        )
+        self._keep_alive = self._channel.unary_unary(
+            _SERVICE + "KeepAlive",
+            request_serializer=pb.KeepAliveRequest.SerializeToString,
+            response_deserializer=pb.KeepAliveResponse.FromString,
+        )
+        self._info = self._channel.unary_unary(
+            _SERVICE + "GetServerInfo",
+            request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
+        )
+
+    def park(
+        self,
+        kid: str,
+        payload: U8,
+        chunk_bytes: int,
+        crcs: Sequence[int],
+        timeout: float = 120.0,
+    ) -> pb.ParkResponse:
+        """Parks `payload` as ceil(len/chunk_bytes) chunks; `crcs` are their CRC32Cs."""
+        view = memoryview(payload)  # type: ignore[arg-type]
+        total = len(crcs)
+
+        def frames() -> Iterator[bytes]:
+            yield wire.encode_park_header(kid, total_chunks=total, batch_bytes=len(payload))
+            for i in range(total):
+                yield wire.encode_park_chunk(
+                    i, crcs[i], (view[i * chunk_bytes : (i + 1) * chunk_bytes],)
+                )
+
+        reply: pb.ParkResponse = self._park(frames(), timeout=timeout)
+        return reply
+
+    def lookup(self, kids: Sequence[str]) -> list[pb.IdState]:
+        reply: pb.LookupResponse = self._lookup(
+            pb.LookupRequest(kv_request_ids=list(kids)), timeout=30
+        )
+        return list(reply.states)
+
+    def release(self, kid: str) -> pb.ReleaseResponse:
+        reply: pb.ReleaseResponse = self._release(pb.ReleaseRequest(kv_request_id=kid), timeout=30)
+        return reply
+
+    def keep_alive(self, kids: Sequence[str], extend_s: float) -> list[pb.IdState]:
+        reply: pb.KeepAliveResponse = self._keep_alive(
+            pb.KeepAliveRequest(kv_request_ids=list(kids), extend_s=extend_s), timeout=30
+        )
+        return list(reply.states)
+
+    def server_info(self) -> pb.ServerInfo:
+        info: pb.ServerInfo = self._info(pb.GetServerInfoRequest(), timeout=30)
+        return info
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RawLoader:
+    """Stand-in for consumer_client: same placement rule (back to back in request order)."""
+
+    name = "internal raw client (consumer_client not available)"
+
+    def __init__(self, target: str) -> None:
+        self._channel = open_channel(target)
+        self._fetch = self._channel.unary_stream(
+            _SERVICE + "Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=None,  # raw frames, parsed by shared.wire
+        )
+
+    def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
+        started = time.perf_counter()
+        view = memoryview(into)  # type: ignore[arg-type]
+        pos = 0
+        count = 0
+        request = pb.FetchRequest(kv_request_id=kid, chunk_ids=range(num_chunks))
+        for raw in self._fetch(request, timeout=timeout):
+            message = wire.parse_fetch_response(raw)
+            if isinstance(message, wire.ChunkView):
+                data = message.data
+                if message.chunk_id != count or crc32c_of(data) != message.crc32c:
+                    return Loaded(False, "CHECKSUM_MISMATCH", count, pos, 0.0)
+                view[pos : pos + len(data)] = data
+                pos += len(data)
+                count += 1
+            elif isinstance(message, pb.TransferDone):
+                ok = message.status == pb.STATUS_OK and count == num_chunks
+                reason = "" if ok else pb.FailureReason.Name(message.reason)
+                return Loaded(ok, reason, count, pos, time.perf_counter() - started)
+        return Loaded(False, "PROTOCOL_ERROR", count, pos, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class ConsumerLoader:
+    """The product: `consumer_client.KVConsumer.load(..., into=<numpy array>)`."""
+
+    name = "consumer_client.KVConsumer"
+
+    def __init__(self, target: str, client: Any = None) -> None:
+        import consumer_client
+
+        self._owned = client is None
+        self._client: Any = client or consumer_client.KVConsumer(target, timeout=LOAD_TIMEOUT_S)
+        self._client.server_info()  # first contact now, not inside the first timed load
+
+    def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
+        started = time.perf_counter()
+        result = self._client.load(kid, num_chunks=num_chunks, into=into, timeout=timeout)
+        seconds = time.perf_counter() - started
+        return Loaded(
+            bool(result.ok),
+            "" if result.ok else f"{result.reason}: {result.detail}",
+            int(result.chunks_loaded),
+            int(result.bytes),
+            seconds,
+        )
+
+    def close(self) -> None:
+        if self._owned:
+            self._client.close()
+
+
+class AsyncConsumerBatch:
+    """Many loads at once on one `consumer_client.AsyncKVConsumer` (one channel), in one
+    event loop: how an asyncio decode worker would load a batch of requests."""
+
+    name = "consumer_client.AsyncKVConsumer"
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+
+    def load_all(
+        self, kids: Sequence[str], num_chunks: Sequence[int], intos: Sequence[U8], timeout: float
+    ) -> tuple[list[Loaded], float]:
+        """Loads every id concurrently; returns the results and the wall time of the batch."""
+        return asyncio.run(self._load_all(kids, num_chunks, intos, timeout))
+
+    async def _load_all(
+        self, kids: Sequence[str], num_chunks: Sequence[int], intos: Sequence[U8], timeout: float
+    ) -> tuple[list[Loaded], float]:
+        import consumer_client
+
+        async with consumer_client.AsyncKVConsumer(self._target, timeout=LOAD_TIMEOUT_S) as client:
+            await client.server_info()
+
+            async def one(i: int) -> Loaded:
+                began = time.perf_counter()
+                r = await client.load(
+                    kids[i], num_chunks=num_chunks[i], into=intos[i], timeout=timeout
+                )
+                return Loaded(
+                    bool(r.ok),
+                    "" if r.ok else f"{r.reason}: {r.detail}",
+                    int(r.chunks_loaded),
+                    int(r.bytes),
+                    time.perf_counter() - began,
+                )
+
+            started = time.perf_counter()
+            results = await asyncio.gather(*(one(i) for i in range(len(kids))))
+            return list(results), time.perf_counter() - started
+
+
+def consumer_available() -> bool:
+    try:
+        import consumer_client
+    except ImportError:
+        return False
+    return hasattr(consumer_client, "KVConsumer")
+
+
+def make_loader(target: str, prefer_raw: bool = False) -> Loader:
+    if not prefer_raw and consumer_available():
+        return ConsumerLoader(target)
+    return RawLoader(target)
+
+
+def zeroed(nbytes: int) -> U8:
+    """A preallocated destination with its pages touched (as an engine's KV buffer is)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    out.fill(0)  # touch every page now, not during the timed load
+    return out

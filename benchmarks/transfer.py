@@ -1,0 +1,207 @@
+"""Bulk transfer: raw TCP vs Park vs Fetch of one 580 MB request, and 16 Fetch streams at once.
+
+Single stream — for each repetition and each chunk size, three steps back to back, so the
+three figures share the machine's conditions of the moment (this 2-core machine is noisy):
+
+1. raw TCP: the window moved between two processes (`rawtcp`), the practical limit;
+2. park: the same window uploaded as one declared Park batch of `chunk`-byte chunks, timed
+   from the call to the `ParkResponse`; chunk CRC32Cs are computed before the clock starts
+   (the prefill side had them as it produced the chunks);
+3. fetch: the id loaded with the loader (consumer_client) into a preallocated numpy array,
+   CRCs verified by the loader, then every byte compared with the window.
+
+Each repetition and chunk size uses a different window of the pattern, so bytes left over
+from an earlier transfer (a stale pool slot, the previous load in the same array) fail the
+comparison.
+
+Concurrency — each round parks 16 ids of `per_stream` bytes, then loads all 16 at once
+(aggregate = total bytes / wall time from the first request to the last byte), and, in the same
+round, parks and loads one id of the same total size as a single stream, the reference of the
+ratio. While the 16 streams run, the prober process sends late Fetches.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from . import data
+from .clients import LOAD_TIMEOUT_S, Loaded, Loader, Parker, zeroed
+from .rawtcp import RawTcpPair
+from .report import VerificationError
+
+Progress = Callable[[str], None]
+KEEP_S = 120.0
+
+
+@dataclass
+class SingleStreamSamples:
+    raw: dict[int, list[float]] = field(default_factory=dict)
+    park: dict[int, list[float]] = field(default_factory=dict)
+    fetch: dict[int, list[float]] = field(default_factory=dict)
+    bytes_verified: int = 0
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def park_checked(parker: Parker, kid: str, payload: data.U8, chunk: int) -> tuple[float, int]:
+    """Parks `payload`; returns (seconds, chunks). A refused park is a failed run."""
+    crcs = data.chunk_crcs(payload, chunk)
+    # The data producer's lease is short (late-fetch probes need ids that are reaped soon);
+    # a KeepAlive before the first chunk (an intent, spec §3) keeps this id from being reaped
+    # mid-upload or before its fetch on a busy machine. Not timed.
+    parker.keep_alive([kid], KEEP_S)
+    started = time.perf_counter()
+    reply = parker.park(kid, payload, chunk, crcs)
+    seconds = time.perf_counter() - started
+    if reply.status != 1 or reply.chunks_parked != len(crcs):
+        raise VerificationError(
+            f"park of {kid!r} ({len(payload)} bytes, {chunk}-byte chunks) answered "
+            f"status={reply.status} reason={reply.reason} chunks_parked={reply.chunks_parked}, "
+            f"expected {len(crcs)}: {reply.detail}"
+        )
+    return seconds, len(crcs)
+
+
+def check_loaded(kid: str, result: Loaded, chunks: int, dest: data.U8, payload: data.U8) -> None:
+    if not result.ok or result.chunks != chunks or result.nbytes != len(payload):
+        raise VerificationError(
+            f"load of {kid!r}: ok={result.ok} reason={result.reason} chunks={result.chunks}/"
+            f"{chunks} bytes={result.nbytes}/{len(payload)}"
+        )
+    loaded = dest[: len(payload)]
+    if not data.same_bytes(loaded, payload):
+        where = data.first_difference(loaded, payload)
+        raise VerificationError(f"load of {kid!r}: byte {where} differs from what was parked")
+
+
+def single_stream(
+    parker: Parker,
+    loader: Loader,
+    source: data.U8,
+    nbytes: int,
+    chunk_sizes: Sequence[int],
+    reps: int,
+    progress: Progress,
+) -> SingleStreamSamples:
+    out = SingleStreamSamples()
+    tcp = RawTcpPair(source, nbytes)
+    dest = zeroed(nbytes)
+    tag = _tag()
+    try:
+        for rep in range(reps):
+            for ci, chunk in enumerate(chunk_sizes):
+                window_no = rep * len(chunk_sizes) + ci
+                label = f"{chunk >> 20} MiB chunks, repetition {rep + 1}/{reps}"
+                progress(f"transfer {label}: raw TCP")
+                out.raw.setdefault(chunk, []).append(tcp.once(window_no, chunk))
+                payload = data.window(source, window_no, nbytes)
+                kid = f"bench-{tag}-{chunk >> 20}m-{rep}"
+                progress(f"transfer {label}: park")
+                park_s, chunks = park_checked(parker, kid, payload, chunk)
+                out.park.setdefault(chunk, []).append(park_s)
+                progress(f"transfer {label}: fetch")
+                dest.fill(0)
+                result = loader.load(kid, chunks, dest, LOAD_TIMEOUT_S)
+                check_loaded(kid, result, chunks, dest, payload)
+                out.fetch.setdefault(chunk, []).append(result.seconds)
+                out.bytes_verified += 3 * nbytes
+    finally:
+        tcp.close()
+    return out
+
+
+@dataclass
+class ConcurrencySamples:
+    aggregate: list[float] = field(default_factory=list)  # seconds for streams*per_stream bytes
+    single: list[float] = field(default_factory=list)  # seconds for the same bytes, one stream
+    loaded_rejections: list[float] = field(default_factory=list)
+    bytes_verified: int = 0
+
+
+class LoadProbe:
+    """Starts/stops the prober's late fetches around a phase (see prober.py)."""
+
+    def __init__(self, start: Callable[[], None], stop: Callable[[], list[float]]) -> None:
+        self.start = start
+        self.stop = stop
+
+
+# Loads every id at once: (ids, chunk counts, destinations) -> (results, wall seconds).
+BatchLoad = Callable[[Sequence[str], Sequence[int], Sequence[data.U8]], tuple[list[Loaded], float]]
+
+
+def threaded_batch(loader: Loader, streams: int) -> tuple[BatchLoad, Callable[[], None]]:
+    """`streams` threads sharing one sync client (one channel): a threaded decode worker."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams)
+
+    def run(
+        kids: Sequence[str], counts: Sequence[int], dests: Sequence[data.U8]
+    ) -> tuple[list[Loaded], float]:
+        started = time.perf_counter()
+        futures = [
+            pool.submit(loader.load, kid, n, dest, LOAD_TIMEOUT_S)
+            for kid, n, dest in zip(kids, counts, dests, strict=True)
+        ]
+        results = [f.result() for f in futures]
+        return results, time.perf_counter() - started
+
+    return run, lambda: pool.shutdown(wait=True)
+
+
+def concurrency(
+    parker: Parker,
+    batch_load: BatchLoad,
+    single: Loader,
+    source: data.U8,
+    streams: int,
+    per_stream: int,
+    chunk: int,
+    rounds: int,
+    probe: LoadProbe,
+    progress: Progress,
+) -> ConcurrencySamples:
+    out = ConcurrencySamples()
+    total = streams * per_stream
+    dests = [zeroed(per_stream) for _ in range(streams)]
+    single_dest = zeroed(total)
+    tag = _tag()
+    for rnd in range(rounds):
+        label = f"{streams} streams, round {rnd + 1}/{rounds}"
+        progress(f"concurrency {label}: park {streams} x {per_stream / 1e6:.0f} MB")
+        kids = [f"bench-{tag}-c{rnd}-{s}" for s in range(streams)]
+        payloads = []
+        counts = []
+        for s, kid in enumerate(kids):
+            offset = s * per_stream + rnd * data.REP_SHIFT
+            payload = source[offset : offset + per_stream]
+            payloads.append(payload)
+            counts.append(park_checked(parker, kid, payload, chunk)[1])
+        for d in dests:
+            d.fill(0)
+        progress(f"concurrency {label}: fetch {streams} streams at once")
+        probe.start()
+        try:
+            results, seconds = batch_load(kids, counts, dests)
+        finally:
+            out.loaded_rejections += probe.stop()
+        out.aggregate.append(seconds)
+        for s in range(streams):
+            check_loaded(kids[s], results[s], counts[s], dests[s], payloads[s])
+        out.bytes_verified += total
+        progress(f"concurrency {label}: single-stream reference")
+        offset = (rnd + 1) * data.REP_SHIFT + 1
+        payload = source[offset : offset + total]
+        kid = f"bench-{tag}-c{rnd}-single"
+        _, n = park_checked(parker, kid, payload, chunk)
+        single_dest.fill(0)
+        result = single.load(kid, n, single_dest, LOAD_TIMEOUT_S)
+        check_loaded(kid, result, n, single_dest, payload)
+        out.single.append(result.seconds)
+        out.bytes_verified += total
+    return out
