@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.checksum import crc32c_of
 from shared.pb import kvpark_pb2 as pb
@@ -91,6 +92,13 @@ def compose_command() -> tuple[str, ...] | None:
     return None
 
 
+def _instant(rfc3339: str) -> tuple[str, str]:
+    """A Docker timestamp ("2026-01-02T03:04:05.12Z", any number of fraction digits) as a
+    tuple that orders correctly."""
+    whole, _, fraction = rfc3339.rstrip("Z").partition(".")
+    return whole, fraction.ljust(9, "0")
+
+
 @dataclass
 class Stack:
     """One compose project made of `files`, with `env` for the files' ${...} variables."""
@@ -138,9 +146,12 @@ class Stack:
         self._cache.clear()
         self.run("up", "-d", "--no-build", *services, timeout=120)
 
-    def restart(self, service: str = "producer") -> None:
+    def restart(self) -> None:
+        """Restarts the producer (SIGTERM: graceful) and waits until it serves again."""
         self._cache.clear()
-        self.run("restart", "-t", "5", service, timeout=60)
+        self.run("restart", "-t", "5", "producer", timeout=60)
+        self.wait_healthy()
+        wait_for(lambda: serving(self.target), 30, "the producer to serve on its published port")
 
     def down(self) -> None:
         """Removes everything of this project: containers (one-offs too), networks, volumes."""
@@ -168,12 +179,23 @@ class Stack:
         return f"{self.project}_default"
 
     def health(self, service: str = "producer") -> str:
-        """'healthy', 'starting', 'unhealthy', or the state when not running."""
-        state = self.inspect(
-            "{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}", service
+        """'healthy', 'starting', 'unhealthy', or the state when not running.
+
+        Only a probe that passed since the container last started counts: right after a
+        restart Docker may still report the previous run's 'healthy' for a while."""
+        state = json.loads(
+            docker("inspect", "-f", "{{json .State}}", self.container(service)).stdout
         )
-        status, _, health = state.partition(" ")
-        return health if status == "running" else status
+        if state["Status"] != "running":
+            return str(state["Status"])
+        health = state.get("Health") or {}
+        status = str(health.get("Status", ""))
+        if status == "healthy":
+            started = _instant(state["StartedAt"])
+            probes = health.get("Log") or []
+            if not any(_instant(p["Start"]) >= started and p["ExitCode"] == 0 for p in probes):
+                return "starting"
+        return status
 
     def wait_healthy(self, service: str = "producer", timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
@@ -186,10 +208,12 @@ class Stack:
             time.sleep(0.1)
 
     def ensure_producer(self) -> None:
-        """The producer is running and healthy (started again if a test stopped it)."""
+        """The producer is running and healthy (started again if a test stopped it), and
+        answers through its published port."""
         if self.health() != "healthy":
             self.up("producer")
             self.wait_healthy()
+        wait_for(lambda: serving(self.target), 30, "the producer to serve on its published port")
 
     def port(self, container_port: int, service: str = "producer") -> str:
         """The host address ("127.0.0.1:PORT") publishing `container_port`. Asked again after
@@ -354,6 +378,18 @@ def park(
         )
     assert reply.status == pb.STATUS_OK, reply
     return reply
+
+
+def serving(target: str) -> bool:
+    """The producer at `target` answers its gRPC health check with SERVING (plaintext)."""
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -12,15 +12,13 @@ import threading
 import time
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from consumer_client import KVConsumer, LoadPath, LoadReport, Reason, State, Timeout
 
 from .conftest import FETCH_TOKEN, PARK_TOKEN
-from .stack import Stack, docker, park, wait_for
+from .stack import Stack, docker, park, serving, wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 KiB = 1024
@@ -36,14 +34,6 @@ def park_half(stack: Stack, kid: str) -> None:
 
 def state(kv: KVConsumer, kid: str) -> Any:
     return kv.lookup([kid])[0]
-
-
-def serving(target: str) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=5
-        )
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_producer_killed_mid_stream_falls_back_fast(producer: Stack) -> None:
@@ -135,7 +125,6 @@ def test_producer_restarted_old_epoch_mismatch_at_once(producer: Stack) -> None:
         old_epoch = kv.server_info().producer_epoch
 
     producer.restart()
-    producer.wait_healthy(timeout=60)
 
     with KVConsumer(producer.target, token=FETCH_TOKEN, timeout=10) as kv:
         result = kv.load(kid, num_chunks=1, expected_epoch=old_epoch)
