@@ -38,7 +38,8 @@ misuse, misconfiguration or, for the unary calls, a call that did not get throug
 
 from __future__ import annotations
 
-from ._alloc import tune_allocator
+from shared.alloc import tune_allocator
+
 from ._async import AsyncKVConsumer
 from ._core import TimeoutConfigWarning
 from ._errors import (

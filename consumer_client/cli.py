@@ -37,7 +37,8 @@ from typing import Any, TextIO
 
 import grpc
 
-from ._alloc import tune_allocator
+from shared.alloc import tune_allocator
+
 from ._errors import KVParkError, RPCError, UsageError
 from ._models import IdStatus
 from ._sync import KVConsumer

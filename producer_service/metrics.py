@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from .lot import Lot, Reason, reason_name
 
 # `*_created` timestamp series double the scrape size and no dashboard of ours reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Latency buckets from 100 µs (a one-RTT rejection) to minutes (a fetch that waited for data).
 _SECONDS_BUCKETS = (

@@ -166,7 +166,8 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
     )
-    target = f"127.0.0.1:{port}"
+    host, _, listen_port = str(settings["listen"]).rpartition(":")
+    target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{listen_port}"
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:
         while True:
@@ -180,7 +181,8 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
                 if time.monotonic() > deadline:
                     proc.kill()
                     raise
-    return ProducerProcess(proc, target, metrics_port)
+    metrics = str(settings["metrics_listen"]).rpartition(":")[2]
+    return ProducerProcess(proc, target, int(metrics) if metrics else 0)
 
 
 @pytest.fixture

@@ -194,7 +194,11 @@ async def test_pool_exhaustion_under_load_spares_bound_fetch_and_recovers() -> N
 
             replies = await asyncio.gather(*(hopeful(i) for i in range(20)))
             full = [r for r in replies if r.reason == pb.REASON_POOL_FULL]
-            assert len(full) >= 16 and all(r.retry_after_s > 0 for r in full)
+            ok = [r for r in replies if r.status == pb.STATUS_OK]
+            # 2 MiB were free: at most two 1 MiB batches fit; every other one is POOL_FULL
+            # (all-or-nothing: a failed batch frees what it stored, so which ones win varies).
+            assert len(ok) <= 2 and len(full) == 20 - len(ok)
+            assert all(r.retry_after_s > 0 for r in full)
             server.lot.check_invariants()
             # The bound fetch is unaffected: every byte arrives.
             rest = []

@@ -1,4 +1,5 @@
-"""Process-wide glibc allocator tuning for a decode worker that receives multi-MiB messages.
+"""Process-wide glibc allocator tuning for processes that send or receive multi-MiB messages
+(the producer, decode workers, the benchmark).
 
 gRPC hands every received message to Python as a new `bytes` of the chunk's size. With glibc's
 defaults, allocations above 128 KiB are fresh `mmap`s that page-fault on first touch and are
@@ -6,9 +7,8 @@ unmapped on free, so every chunk pays the page faults again: performance-notes.m
 fix at 1.4-2.9x on gRPC streams. Raising M_MMAP_THRESHOLD keeps those buffers on the heap and
 raising M_TRIM_THRESHOLD keeps the heap from being handed back after each one.
 
-A library must not change process-wide settings on import, so this is an explicit call for the
-worker's start-up (the `kvpark` CLI makes it). The producer's `__main__` does the same; the two
-copies could move to `shared/` together.
+A library must not change process-wide settings on import, so this is an explicit call at a
+process's start-up (`kvpark-producer`, the `kvpark` CLI and the example worker make it).
 """
 
 from __future__ import annotations
