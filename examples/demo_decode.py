@@ -40,6 +40,7 @@ from consumer_client import (
     KVConsumer,
     LoadPath,
     LoadReport,
+    LoadResult,
     ProducerInfo,
     Reason,
     State,
@@ -89,7 +90,7 @@ class Row:
     bytes_ok: bool
 
     @property
-    def result(self) -> Any:
+    def result(self) -> LoadResult:
         return self.report.result
 
 
