@@ -44,6 +44,9 @@ __all__ = [
 ENV_PREFIX = "KVPARK_"
 # The one KVPARK_ variable that is not a key: it names the JSON config file.
 CONFIG_ENV_VAR = "KVPARK_CONFIG"
+# KVPARK_ variables that belong to the `kvpark` operator CLI (consumer_client.cli), not to the
+# producer: ignored here rather than rejected as typos.
+CLIENT_ENV_VARS = frozenset({"KVPARK_TARGET", "KVPARK_TOKEN"})
 # Upper bound of every seconds value: anything longer is a typo (ms for s), not a lease.
 MAX_SECONDS = 7 * 24 * 3600
 # Byte sizes travel as uint64 in ServerInfo and index int64 numpy buffers.
@@ -713,6 +716,8 @@ def _read_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], str |
             continue
         if var == CONFIG_ENV_VAR:
             config_path = environ[var]
+        elif var in CLIENT_ENV_VARS:
+            continue  # the `kvpark` CLI's own settings; an operator's shell may hold both
         elif var in known:
             values[known[var]] = environ[var]
         else:

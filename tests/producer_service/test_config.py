@@ -622,3 +622,18 @@ def test_keys_match_the_spec_table() -> None:
         if line.startswith("| `") and len(cells) > 2:
             spec_keys.extend(re.findall(r"`([a-z_]+)`", cells[1]))
     assert spec_keys == list(KEYS)
+
+
+def test_client_cli_variables_are_not_producer_typos() -> None:
+    """`kvpark` reads KVPARK_TARGET / KVPARK_TOKEN: a shell holding them still starts a producer."""
+    from consumer_client import cli
+
+    source = Path(cli.__file__).read_text()
+    used = set(re.findall(r"KVPARK_[A-Z_]+", source))
+    from producer_service.config import CLIENT_ENV_VARS
+
+    assert used <= CLIENT_ENV_VARS | {spec.env_var for spec in KEYS.values()}
+    config = load_config(
+        [], {"KVPARK_TARGET": "x:1", "KVPARK_TOKEN": "t", "KVPARK_POOL_BYTES": "2MiB"}
+    )
+    assert config.pool_bytes == 32 * 1024 * 1024
