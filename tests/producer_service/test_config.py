@@ -634,6 +634,6 @@ def test_client_cli_variables_are_not_producer_typos() -> None:
 
     assert used <= CLIENT_ENV_VARS | {spec.env_var for spec in KEYS.values()}
     config = load_config(
-        [], {"KVPARK_TARGET": "x:1", "KVPARK_TOKEN": "t", "KVPARK_POOL_BYTES": "2MiB"}
+        [], {"KVPARK_TARGET": "x:1", "KVPARK_TOKEN": "t", "KVPARK_POOL_BYTES": "32MiB"}
     )
     assert config.pool_bytes == 32 * 1024 * 1024
