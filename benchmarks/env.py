@@ -1,10 +1,10 @@
-"""The benchmark's processes: allocator tuning, the producer under test, RSS readings.
+"""The benchmark's processes: allocator environment, the producer under test, RSS and CPU.
 
 Every process of a run — the producer, the raw-TCP peer, the late-fetch prober and this client
 — runs with the glibc allocator fix of performance-notes.md (lever 1): multi-MiB buffers stay
 on the heap instead of being fresh `mmap`s that page-fault on every message. Child processes
-get it through the environment (`MALLOC_*_`, read by glibc at start-up); this process, already
-running, gets it through `mallopt`.
+get it through the environment (`MALLOC_*_`, read by glibc at start-up; the producer also calls
+`mallopt` itself); this process, already running, gets it from `shared.alloc.tune_allocator`.
 
 The producer is a separate process started with `python -m producer_service`, exactly as it is
 deployed, on a free loopback port with metrics disabled; `ProducerProcess` owns it and stops it
@@ -14,8 +14,6 @@ deployed, on a free loopback port with metrics disabled; `ProducerProcess` owns 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
@@ -30,39 +28,32 @@ from typing import IO, Any
 
 import grpc
 
+from shared.alloc import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from shared.pb import kvpark_pb2 as pb
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc reports CPU time in clock ticks
 
-# performance-notes.md lever 1: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 2 GiB.
-MMAP_THRESHOLD = 32 * MiB
-TRIM_THRESHOLD = 2 * GiB
+# performance-notes.md lever 1, the same values as shared.alloc, for processes we start.
 ALLOCATOR_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-    "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
 }
 
 
-def tune_allocator() -> bool:
-    """Applies the allocator fix to this (running) process; False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok_mmap = libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
-        ok_trim = libc.mallopt(m_trim_threshold, TRIM_THRESHOLD)
-    except (OSError, AttributeError):
-        return False
-    return bool(ok_mmap) and bool(ok_trim)
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child process: ours, allocator fix on, no KVPARK_ leftovers."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
-    env.update(ALLOCATOR_ENV)
+def child_env(
+    extra: Mapping[str, str] | None = None, *, allocator_fix: bool = True
+) -> dict[str, str]:
+    """The environment for a child process: ours, allocator fix on (unless an ablation turns
+    it off), no KVPARK_ leftovers."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVPARK_") and not k.startswith("MALLOC_")
+    }
+    if allocator_fix:
+        env.update(ALLOCATOR_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     # Children import this package and the project's even when it is not installed.
     root = str(Path(__file__).resolve().parent.parent)
@@ -94,6 +85,13 @@ def _status_kib(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) `pid` has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) * _TICK_S
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -137,6 +135,7 @@ class ProducerProcess:
         *,
         command: Sequence[str] | None = None,
         extra_env: Mapping[str, str] | None = None,
+        allocator_fix: bool = True,
         start_timeout_s: float = 30.0,
     ) -> None:
         """`command` replaces `python -m producer_service` (e.g. a producer from another
@@ -161,7 +160,7 @@ class ProducerProcess:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=child_env(extra_env),
+            env=child_env(extra_env, allocator_fix=allocator_fix),
         )
         self.pid = self.proc.pid
         try:
@@ -257,9 +256,6 @@ def stop_child(proc: subprocess.Popen[str], timeout_s: float = 10.0) -> None:
         with contextlib.suppress(OSError):
             if stream is not None:
                 stream.close()
-
-
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def _system_ticks() -> tuple[float, float]:

@@ -16,12 +16,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from . import data
 from .env import start_child, stop_child
 from .report import VerificationError
+
+
+class CpuClock(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> tuple[float, float]: ...
 
 
 class RawTcpPair:
@@ -47,12 +54,19 @@ class RawTcpPair:
         self._dest = np.empty(nbytes, dtype=np.uint8)
         self._view = memoryview(self._dest)  # type: ignore[arg-type]
 
-    def once(self, rep: int, chunk: int) -> float:
-        """Seconds to move repetition `rep`'s window in `chunk`-byte sends, bytes verified."""
+    @property
+    def peer_pid(self) -> int:
+        return self._peer.pid
+
+    def once(self, rep: int, chunk: int, cpu: CpuClock | None = None) -> float:
+        """Seconds to move repetition `rep`'s window in `chunk`-byte sends, bytes verified.
+        `cpu` is started and stopped around the transfer alone."""
         nbytes = self._nbytes
         dest, view, conn = self._dest, self._view, self._conn
         dest.fill(0)  # touched, and nothing left over from the previous repetition
         expected = data.window(self._source, rep, nbytes)
+        if cpu is not None:
+            cpu.start()
         started = time.perf_counter()
         _command(self._peer, f"send {rep * data.REP_SHIFT} {nbytes} {chunk}")
         received = 0
@@ -62,7 +76,9 @@ class RawTcpPair:
                 raise RuntimeError("raw TCP peer closed the connection early")
             received += n
         seconds = time.perf_counter() - started
-        _expect(self._peer, "sent")
+        _expect(self._peer, "sent")  # the peer's last sendall has returned
+        if cpu is not None:
+            cpu.stop()
         if not data.same_bytes(dest, expected):
             where = data.first_difference(dest, expected)
             raise VerificationError(

@@ -67,6 +67,7 @@ class Figure:
     ratio_to: str = ""  # the figure (key) the ratio divides by
     target: Target | None = None
     note: str = ""
+    group: str = "main"  # which table: "main" (the figures) or "cpu" (CPU per GB)
 
     @property
     def status(self) -> str:
@@ -92,6 +93,7 @@ class Figure:
             "target": self.target.text if self.target is not None else None,
             "target_met": met,
             "note": self.note or None,
+            "group": self.group,
         }
 
 

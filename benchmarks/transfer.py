@@ -23,6 +23,7 @@ ratio. While the 16 streams run, the prober process sends late Fetches.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 from . import data
 from .clients import LOAD_TIMEOUT_S, Loaded, Loader, Parker, zeroed
+from .env import cpu_seconds
 from .rawtcp import RawTcpPair
 from .report import VerificationError
 
@@ -39,26 +41,60 @@ KEEP_S = 120.0
 
 @dataclass
 class SingleStreamSamples:
+    """Seconds per repetition, by chunk size; `cpu` holds, per repetition, the CPU seconds the
+    two processes spent on it: (this process, the other one) — receiver and sender for raw
+    TCP, client and producer for park and fetch."""
+
     raw: dict[int, list[float]] = field(default_factory=dict)
     park: dict[int, list[float]] = field(default_factory=dict)
     fetch: dict[int, list[float]] = field(default_factory=dict)
+    cpu: dict[str, dict[int, list[tuple[float, float]]]] = field(
+        default_factory=lambda: {"raw": {}, "park": {}, "fetch": {}}
+    )
     bytes_verified: int = 0
+
+
+class CpuPair:
+    """CPU seconds this process and one other spend between `start()` and `stop()`; the
+    last interval is kept in `last`."""
+
+    def __init__(self, other_pid: int) -> None:
+        self._pids = (os.getpid(), other_pid)
+        self._start = (0.0, 0.0)
+        self.last = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._start = (cpu_seconds(self._pids[0]), cpu_seconds(self._pids[1]))
+
+    def stop(self) -> tuple[float, float]:
+        self.last = (
+            cpu_seconds(self._pids[0]) - self._start[0],
+            cpu_seconds(self._pids[1]) - self._start[1],
+        )
+        return self.last
 
 
 def _tag() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def park_checked(parker: Parker, kid: str, payload: data.U8, chunk: int) -> tuple[float, int]:
-    """Parks `payload`; returns (seconds, chunks). A refused park is a failed run."""
+def park_checked(
+    parker: Parker, kid: str, payload: data.U8, chunk: int, cpu: CpuPair | None = None
+) -> tuple[float, int]:
+    """Parks `payload`; returns (seconds, chunks). A refused park is a failed run. `cpu`
+    measures the upload alone."""
     crcs = data.chunk_crcs(payload, chunk)
     # The data producer's lease is short (late-fetch probes need ids that are reaped soon);
     # a KeepAlive before the first chunk (an intent, spec §3) keeps this id from being reaped
     # mid-upload or before its fetch on a busy machine. Not timed.
     parker.keep_alive([kid], KEEP_S)
+    if cpu is not None:
+        cpu.start()
     started = time.perf_counter()
     reply = parker.park(kid, payload, chunk, crcs)
     seconds = time.perf_counter() - started
+    if cpu is not None:
+        cpu.stop()
     if reply.status != 1 or reply.chunks_parked != len(crcs):
         raise VerificationError(
             f"park of {kid!r} ({len(payload)} bytes, {chunk}-byte chunks) answered "
@@ -81,6 +117,7 @@ def check_loaded(kid: str, result: Loaded, chunks: int, dest: data.U8, payload: 
 
 
 def single_stream(
+    producer_pid: int,
     parker: Parker,
     loader: Loader,
     source: data.U8,
@@ -93,21 +130,26 @@ def single_stream(
     tcp = RawTcpPair(source, nbytes)
     dest = zeroed(nbytes)
     tag = _tag()
+    tcp_cpu, grpc_cpu = CpuPair(tcp.peer_pid), CpuPair(producer_pid)
     try:
         for rep in range(reps):
             for ci, chunk in enumerate(chunk_sizes):
                 window_no = rep * len(chunk_sizes) + ci
                 label = f"{chunk >> 20} MiB chunks, repetition {rep + 1}/{reps}"
                 progress(f"transfer {label}: raw TCP")
-                out.raw.setdefault(chunk, []).append(tcp.once(window_no, chunk))
+                out.raw.setdefault(chunk, []).append(tcp.once(window_no, chunk, tcp_cpu))
+                out.cpu["raw"].setdefault(chunk, []).append(tcp_cpu.last)
                 payload = data.window(source, window_no, nbytes)
                 kid = f"bench-{tag}-{chunk >> 20}m-{rep}"
                 progress(f"transfer {label}: park")
-                park_s, chunks = park_checked(parker, kid, payload, chunk)
+                park_s, chunks = park_checked(parker, kid, payload, chunk, grpc_cpu)
                 out.park.setdefault(chunk, []).append(park_s)
+                out.cpu["park"].setdefault(chunk, []).append(grpc_cpu.last)
                 progress(f"transfer {label}: fetch")
                 dest.fill(0)
+                grpc_cpu.start()
                 result = loader.load(kid, chunks, dest, LOAD_TIMEOUT_S)
+                out.cpu["fetch"].setdefault(chunk, []).append(grpc_cpu.stop())
                 check_loaded(kid, result, chunks, dest, payload)
                 out.fetch.setdefault(chunk, []).append(result.seconds)
                 out.bytes_verified += 3 * nbytes
