@@ -42,6 +42,7 @@ from .report import (
     Figure,
     Target,
     VerificationError,
+    json_document,
     latency,
     render_table,
     set_ratio,
@@ -365,18 +366,17 @@ class Env:
 
 
 # ==================================================================================== main
-def parse_args(argv: Sequence[str]) -> tuple[Plan, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="kvpark bench",
-        description="Measure kvpark against this machine's limit (issue #5): raw TCP, park, "
-        "fetch, concurrency, late-fetch latency, memory, reaper. Starts its own producer.",
-    )
+def add_arguments(parser: argparse.ArgumentParser, *, json_option: str = "--json") -> None:
+    """The benchmark's options. `kvpark bench` passes `json_option="--json-file"`: there the
+    common `--json` flag already means "print JSON instead of text"."""
     parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke check for CI: fewer repetitions and ids, under a minute",
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the figures here")
+    parser.add_argument(
+        json_option, dest="json_path", type=Path, metavar="PATH", help="also write the JSON here"
+    )
     parser.add_argument("--reps", type=int, help="repetitions of each transfer (default 5)")
     parser.add_argument("--rounds", type=int, help="16-stream rounds (default 6)")
     parser.add_argument("--churn-ids", type=int, help="ids in the memory churn (default 100000)")
@@ -396,30 +396,79 @@ def parse_args(argv: Sequence[str]) -> tuple[Plan, argparse.Namespace]:
         help="16 streams as threads on one KVConsumer, or one AsyncKVConsumer",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = parser.parse_args(argv)
+
+
+class UsageError(ValueError):
+    """Bad benchmark arguments (exit 2)."""
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
     plan = Plan.quick_plan() if args.quick else Plan()
     changes: dict[str, Any] = {"loader": args.loader, "concurrency_client": args.concurrency_client}
     for name in ("reps", "rounds", "churn_ids"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
-                parser.error(f"--{name.replace('_', '-')} must be >= 1")
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
             changes[name] = value
     if args.only:
         wanted = tuple(s.strip() for s in args.only.split(",") if s.strip())
         unknown = [s for s in wanted if s not in SECTIONS]
         if unknown:
-            parser.error(f"--only: unknown section(s) {unknown}; choose from {SECTIONS}")
+            raise UsageError(f"--only: unknown section(s) {unknown}; choose from {SECTIONS}")
         changes["sections"] = tuple(s for s in SECTIONS if s in wanted)
-    return replace(plan, **changes), args
+    return replace(plan, **changes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m benchmarks`: see the module docstring for the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Measure kvpark against this machine's limit (issue #5): raw TCP, park, "
+        "fetch, concurrency, late-fetch latency, memory, reaper. Starts its own producer.",
+    )
+    add_arguments(parser)
     try:
-        plan, args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        plan = plan_from_args(args)
     except SystemExit as exc:  # argparse: --help exits 0, errors exit 2
         return int(exc.code or 0)
-    progress = Progress(quiet=args.quiet)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return execute(plan, json_path=args.json_path, quiet=args.quiet)
+
+
+def register(commands: Any) -> None:
+    """`kvpark bench`: adds the benchmark to the `kvpark` CLI (consumer_client.cli plugin)."""
+    from consumer_client.cli import Command
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            plan = plan_from_args(args)
+        except UsageError as exc:
+            print(f"kvpark bench: {exc}", file=sys.stderr)
+            return 2
+        return execute(
+            plan, json_path=args.json_path, quiet=args.quiet, json_stdout=bool(args.json)
+        )
+
+    commands.add(
+        Command(
+            "bench",
+            "benchmark a producer of its own against this machine's TCP limit (issue #5)",
+            lambda parser: add_arguments(parser, json_option="--json-file"),
+            run,
+        )
+    )
+
+
+def execute(
+    plan: Plan, *, json_path: Path | None = None, quiet: bool = False, json_stdout: bool = False
+) -> int:
+    """Runs `plan`, prints the table (or, with `json_stdout`, the JSON), writes `json_path`."""
+    progress = Progress(quiet=quiet)
     allocator = tune_allocator()
     run = Run(plan)
     meta = _meta(plan, allocator)
@@ -451,22 +500,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["elapsed_s"] = round(progress.elapsed, 1)
     meta["loadavg_end"] = _loadavg()
     meta["bytes_verified"] = run.bytes_verified
-    print(_header(meta))
-    print(render_table([f for f in run.figures if f.group == "main"]))
-    cpu = [f for f in run.figures if f.group == "cpu"]
-    if cpu:
-        print("\nCPU cost of the same transfers (seconds of CPU per GB moved, both processes):")
-        print(render_table(cpu))
-    judged = [f for f in run.figures if f.target is not None]
-    below = [f.label for f in judged if f.status == "below target"]
-    print(f"\ntargets: {len(judged) - len(below)} met, {len(below)} below target; "
-          f"{run.bytes_verified / 1e9:.1f} GB moved and verified byte for byte")  # fmt: skip
-    if failure:
-        print(failure)
-    if args.json is not None:
-        write_json(args.json, meta, run.figures, sections=run.sections, failure=failure,
-                   ok=failure is None)  # fmt: skip
-        progress(f"wrote {args.json}")
+    extra = {"sections": run.sections, "failure": failure, "ok": failure is None}
+    if json_stdout:
+        print(json_document(meta, run.figures, **extra), end="")
+    else:
+        print(_header(meta))
+        print(render_table([f for f in run.figures if f.group == "main"]))
+        cpu = [f for f in run.figures if f.group == "cpu"]
+        if cpu:
+            print("\nCPU cost of the same transfers (CPU seconds per GB moved, both processes):")
+            print(render_table(cpu))
+        judged = [f for f in run.figures if f.target is not None]
+        below = [f.label for f in judged if f.status == "below target"]
+        print(f"\ntargets: {len(judged) - len(below)} met, {len(below)} below target; "
+              f"{run.bytes_verified / 1e9:.1f} GB moved and verified byte for byte")  # fmt: skip
+        if failure:
+            print(failure)
+    if json_path is not None:
+        write_json(json_path, meta, run.figures, **extra)
+        progress(f"wrote {json_path}")
     return 1 if failure else 0
 
 

@@ -180,7 +180,9 @@ def render_table(figures: Sequence[Figure]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, meta: dict[str, Any], figures: Sequence[Figure], **extra: Any) -> None:
+def json_document(meta: dict[str, Any], figures: Sequence[Figure], **extra: Any) -> str:
+    """The run as JSON text; non-finite numbers (a figure that could not be computed) become
+    null, so the document stays valid JSON."""
     judged = [f.target.met(f) for f in figures if f.target is not None]
     doc = {
         "meta": meta,
@@ -192,11 +194,21 @@ def write_json(path: Path, meta: dict[str, Any], figures: Sequence[Figure], **ex
         },
         **extra,
     }
+    return json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+
+
+def write_json(path: Path, meta: dict[str, Any], figures: Sequence[Figure], **extra: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False, default=_json_default) + "\n")
+    tmp.write_text(json_document(meta, figures, **extra))
     tmp.replace(path)
 
 
-def _json_default(value: object) -> object:
-    raise TypeError(f"not JSON-serializable: {type(value).__name__}")
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

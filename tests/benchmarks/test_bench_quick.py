@@ -101,3 +101,20 @@ def test_bench_help_and_bad_arguments() -> None:
         text=True,
     )
     assert bad.returncode == 2 and "unknown section" in bad.stderr
+
+
+def test_kvpark_bench_subcommand_prints_json() -> None:
+    """`kvpark bench` is the same benchmark, wired into the operator CLI as a plugin; there the
+    CLI's common `--json` flag prints the JSON document instead of the table."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "consumer_client", "bench", "--quick", "--only", "reaper",
+         "--json", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is True
+    assert [f["key"] for f in doc["figures"]] == ["reaper_pass_ms"]
