@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.pb import kvpark_pb2 as pb
 
@@ -192,33 +193,36 @@ def _oneof(buf: bytes | memoryview, choices: dict[int, str]) -> tuple[str, memor
     return found
 
 
-def parse_park_request(buf: bytes | memoryview) -> pb.ParkHeader | ChunkView | None:
-    """A ParkRequest as its header (a generated message) or its chunk (a view); None if empty."""
-    member = _oneof(buf, {1: "header", 2: "chunk"})
+def _parse_oneof(
+    buf: bytes | memoryview, choices: dict[int, str], message_type: Any
+) -> ChunkView | Any | None:
+    """The set member of a oneof whose members are a Chunk (parsed as a view) and one small
+    message (parsed by the generated class); None when no member is set."""
+    member = _oneof(buf, choices)
     if member is None:
         return None
     name, body = member
     if name == "chunk":
         return parse_chunk(body)
-    header = pb.ParkHeader()
+    message = message_type()
     try:
-        header.ParseFromString(bytes(body))
+        message.ParseFromString(bytes(body))
     except Exception as exc:  # protobuf raises its own DecodeError
-        raise WireError(f"ParkHeader: {exc}") from exc
-    return header
+        raise WireError(f"{message_type.DESCRIPTOR.name}: {exc}") from exc
+    return message
+
+
+def parse_park_request(buf: bytes | memoryview) -> pb.ParkHeader | ChunkView | None:
+    """A ParkRequest as its header (a generated message) or its chunk (a view); None if empty."""
+    result: pb.ParkHeader | ChunkView | None = _parse_oneof(
+        buf, {1: "header", 2: "chunk"}, pb.ParkHeader
+    )
+    return result
 
 
 def parse_fetch_response(buf: bytes | memoryview) -> ChunkView | pb.TransferDone | None:
     """A FetchResponse as its chunk (a view) or its TransferDone; None if empty."""
-    member = _oneof(buf, {1: "chunk", 2: "done"})
-    if member is None:
-        return None
-    name, body = member
-    if name == "chunk":
-        return parse_chunk(body)
-    done = pb.TransferDone()
-    try:
-        done.ParseFromString(bytes(body))
-    except Exception as exc:
-        raise WireError(f"TransferDone: {exc}") from exc
-    return done
+    result: ChunkView | pb.TransferDone | None = _parse_oneof(
+        buf, {1: "chunk", 2: "done"}, pb.TransferDone
+    )
+    return result

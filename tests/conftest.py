@@ -101,6 +101,19 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: 
         await asyncio.sleep(0.01)
 
 
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    """Blocking twin of `wait_until` for sync tests: polls a condition, never sleeps for time
+    to pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(0.005)
+
+
 def park_requests(
     kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0, crc: bool = True
 ) -> list[pb.ParkRequest]:

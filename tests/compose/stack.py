@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from conftest import wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.checksum import crc32c_of
@@ -390,15 +391,3 @@ def serving(target: str) -> bool:
     except grpc.RpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Polls `predicate` until it returns something truthy (conftest.wait_until, blocking)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)

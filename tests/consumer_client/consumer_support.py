@@ -7,7 +7,6 @@ The producers themselves come from tests/conftest.py (`running_producer`, `produ
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,18 +43,6 @@ def park_sync(target: str, kid: str, chunks: dict[int, bytes], total: int = 0) -
         stub = pb_grpc.KVProducerStub(channel)
         reply: pb.ParkResponse = stub.Park(iter(park_requests(kid, chunks, total=total)))
         return reply
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Sync twin of conftest.wait_until: polls a condition, never sleeps for time to pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(0.005)
 
 
 # ------------------------------------------------------------------------------ call recorder

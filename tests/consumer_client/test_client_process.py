@@ -13,8 +13,8 @@ from typing import Any
 import conftest
 import numpy as np
 import pytest
-from conftest import MiB, ProducerProcess, free_port
-from consumer_support import park_sync, payload, wait_for
+from conftest import MiB, ProducerProcess, free_port, wait_for
+from consumer_support import park_sync, payload
 
 from consumer_client import AsyncKVConsumer, KVConsumer, LoadPath, Reason, TransportError
 
