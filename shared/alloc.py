@@ -19,8 +19,12 @@ import ctypes.util
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's own maximum for this threshold
 TRIM_THRESHOLD_BYTES = 2 * 1024 * 1024 * 1024
+# gRPC's threads would each get an arena that keeps its own peak of multi-MiB messages (the trim
+# threshold above keeps them on purpose); two arenas bound that plateau (docs/performance.md).
+ARENA_MAX = 2
 
 
 def tune_allocator() -> bool:
@@ -36,4 +40,5 @@ def tune_allocator() -> bool:
         return False
     ok_mmap = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     ok_trim = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    return bool(ok_mmap and ok_trim)
+    ok_arena = mallopt(_M_ARENA_MAX, ARENA_MAX)
+    return bool(ok_mmap and ok_trim and ok_arena)
