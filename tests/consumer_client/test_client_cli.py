@@ -132,7 +132,9 @@ def test_commands_are_registered_in_one_registry_and_plugins_can_add_more() -> N
         del sys.modules[plugin.__name__], sys.modules[broken.__name__]
     # (the real `bench` plugin may already be in COMMANDS, depending on test order)
     assert registry.names() == [*names, "fake-bench"]
-    args = cli.build_parser(registry).parse_args(["fake-bench", "--target", "h:1", "--size", "2GiB"])
+    args = cli.build_parser(registry).parse_args(
+        ["fake-bench", "--target", "h:1", "--size", "2GiB"]
+    )
     assert args.run(args) == 0 and ran == [("h:1", "2GiB")]
     with pytest.raises(ValueError, match="twice"):
         registry.add(cli.COMMANDS._commands["info"])
