@@ -18,7 +18,7 @@ The long-lived tables (who adds, who removes, what cleans up leftovers):
 - `_entries: id -> _Entry` — live ids. Added by the first Park batch or a Fetch before any
   Park; removed when the id ends (consumed, reaped, released, shut down) or when it holds no
   chunk and nothing is attached any more (a failed first batch, a cancelled demand).
-- `_leases: heap of (deadline, seq, entry)` — one entry per lease deadline ever set for a
+- `_leases: LeaseQueue of (deadline, seq, entry)` — one item per lease deadline ever set for a
   PARKED id; stale items (id bound, ended, deadline moved later, or superseded by a later push
   for the same entry, see `_Entry.lease_seq`) are skipped when popped, and
   the heap is rebuilt when stale items outnumber live ones, so a reaper pass costs
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from shared.checksum import crc32c_of
 from shared.pb import kvpark_pb2 as pb
 
+from .leases import LeaseQueue
 from .pool import HostPool, Reservation, SlotHandle
 
 Clock = Callable[[], float]
@@ -228,7 +229,7 @@ class Lot:
         self.epoch = epoch
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
-        self._leases: list[tuple[float, int, _Entry]] = []
+        self._leases: LeaseQueue[_Entry] = LeaseQueue()
         self._seq = itertools.count()
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._intents: OrderedDict[str, float] = OrderedDict()
@@ -411,10 +412,9 @@ class Lot:
     def _retry_after(self, now: float) -> float:
         """When memory may free up: the next lease deadline, at least one reaper interval."""
         floor = self.settings.reap_interval_s
-        while self._leases and not self._lease_item_live(self._leases[0]):
-            heapq.heappop(self._leases)
-        if self._leases:
-            return max(floor, self._leases[0][0] - now)
+        nxt = self.next_lease_deadline()
+        if nxt is not None:
+            return max(floor, nxt - now)
         return max(floor, 1.0)
 
     # ================================================================================== Fetch
@@ -611,16 +611,15 @@ class Lot:
         now = self.clock()
         reaped: list[str] = []
         leases = self._leases
-        while leases and leases[0][0] <= now:
-            item = heapq.heappop(leases)
+        while (head := leases.peek()) is not None and head[0] <= now:
+            item = leases.pop()
             if self._lease_item_live(item):
                 entry = item[2]
                 self._end_entry(entry, REAPED)
                 self.reaped_total += 1
                 reaped.append(entry.kv_request_id)
         if len(leases) > 2 * (len(self._entries) + _HEAP_SLACK):
-            self._leases = [item for item in leases if self._lease_item_live(item)]
-            heapq.heapify(self._leases)
+            leases.retain(self._lease_item_live)
         self._prune(now)
         return reaped
 
@@ -636,7 +635,7 @@ class Lot:
     def _push_lease(self, entry: _Entry) -> None:
         assert entry.lease_deadline is not None
         entry.lease_seq = next(self._seq)
-        heapq.heappush(self._leases, (entry.lease_deadline, entry.lease_seq, entry))
+        self._leases.push(entry.lease_deadline, entry.lease_seq, entry)
 
     def _prune(self, now: float) -> None:
         horizon = now - self.settings.tombstone_retention_s
@@ -663,9 +662,10 @@ class Lot:
 
     def next_lease_deadline(self) -> float | None:
         """The earliest live lease deadline (for scheduling the next pass), or None."""
-        while self._leases and not self._lease_item_live(self._leases[0]):
-            heapq.heappop(self._leases)
-        return self._leases[0][0] if self._leases else None
+        leases = self._leases
+        while (head := leases.peek()) is not None and not self._lease_item_live(head):
+            leases.pop()
+        return head[0] if head is not None else None
 
     # ================================================================================ Endings
     def _end_entry(self, entry: _Entry, reason: Reason) -> None:
