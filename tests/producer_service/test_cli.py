@@ -75,6 +75,16 @@ def test_bad_config_file_exits_2_naming_the_key(
     assert "\n" not in line and key in line and shown in line
 
 
+def test_console_script_starts_the_same_cli() -> None:
+    script = Path(sys.executable).with_name("kvpark-producer")
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and "kvpark-producer" in result.stdout
+    bad = subprocess.run(
+        [str(script), "--max-lease-s", "true"], capture_output=True, text=True, timeout=30
+    )
+    assert bad.returncode == 2 and "max_lease_s" in bad.stderr
+
+
 def test_help_documents_every_key() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
@@ -83,7 +93,7 @@ def test_help_documents_every_key() -> None:
 
 
 def test_seconds_as_string_accepted_and_served(producer_process) -> None:  # type: ignore[no-untyped-def]
-    producer: ProducerProcess = producer_process(unbound_store_timeout_s='"180"'.strip('"'))
+    producer: ProducerProcess = producer_process(unbound_store_timeout_s="180")
     with grpc.insecure_channel(producer.target) as channel:
         info = pb_grpc.KVProducerStub(channel).GetServerInfo(pb.GetServerInfoRequest())
     assert info.unbound_store_timeout_s == 180.0
