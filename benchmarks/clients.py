@@ -25,6 +25,7 @@ import numpy as np
 from shared import wire
 from shared.checksum import crc32c_of
 from shared.pb import kvpark_pb2 as pb
+from shared.pb import kvpark_pb2_grpc as pb_grpc
 
 from .data import U8
 from .env import MiB, channel_options
@@ -67,26 +68,8 @@ class Parker:
             request_serializer=None,  # frames are already bytes
             response_deserializer=pb.ParkResponse.FromString,
         )
-        self._lookup = self._channel.unary_unary(
-            _SERVICE + "Lookup",
-            request_serializer=pb.LookupRequest.SerializeToString,
-            response_deserializer=pb.LookupResponse.FromString,
-        )
-        self._release = self._channel.unary_unary(
-            _SERVICE + "Release",
-            request_serializer=pb.ReleaseRequest.SerializeToString,
-            response_deserializer=pb.ReleaseResponse.FromString,
-        )
-        self._keep_alive = self._channel.unary_unary(
-            _SERVICE + "KeepAlive",
-            request_serializer=pb.KeepAliveRequest.SerializeToString,
-            response_deserializer=pb.KeepAliveResponse.FromString,
-        )
-        self._info = self._channel.unary_unary(
-            _SERVICE + "GetServerInfo",
-            request_serializer=pb.GetServerInfoRequest.SerializeToString,
-            response_deserializer=pb.ServerInfo.FromString,
-        )
+        # The unary calls need no special framing: the generated stub already declares them.
+        self._stub = pb_grpc.KVProducerStub(self._channel)
 
     def park(
         self,
@@ -111,23 +94,25 @@ class Parker:
         return reply
 
     def lookup(self, kids: Sequence[str]) -> list[pb.IdState]:
-        reply: pb.LookupResponse = self._lookup(
+        reply: pb.LookupResponse = self._stub.Lookup(
             pb.LookupRequest(kv_request_ids=list(kids)), timeout=30
         )
         return list(reply.states)
 
     def release(self, kid: str) -> pb.ReleaseResponse:
-        reply: pb.ReleaseResponse = self._release(pb.ReleaseRequest(kv_request_id=kid), timeout=30)
+        reply: pb.ReleaseResponse = self._stub.Release(
+            pb.ReleaseRequest(kv_request_id=kid), timeout=30
+        )
         return reply
 
     def keep_alive(self, kids: Sequence[str], extend_s: float) -> list[pb.IdState]:
-        reply: pb.KeepAliveResponse = self._keep_alive(
+        reply: pb.KeepAliveResponse = self._stub.KeepAlive(
             pb.KeepAliveRequest(kv_request_ids=list(kids), extend_s=extend_s), timeout=30
         )
         return list(reply.states)
 
     def server_info(self) -> pb.ServerInfo:
-        info: pb.ServerInfo = self._info(pb.GetServerInfoRequest(), timeout=30)
+        info: pb.ServerInfo = self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
         return info
 
     def close(self) -> None:
