@@ -183,17 +183,23 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
     target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{listen_port}"
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:
-        while True:
-            if proc.poll() is not None:
-                output = proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"producer exited {proc.returncode}: {output}")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.2)
-                break
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise
+        # One readiness future, cancelled before the channel closes: a future left polling a
+        # closed channel dies in grpc's thread with "Channel closed!".
+        ready = grpc.channel_ready_future(channel)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    output = proc.stdout.read() if proc.stdout else ""
+                    raise AssertionError(f"producer exited {proc.returncode}: {output}")
+                try:
+                    ready.result(timeout=0.2)
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        proc.kill()
+                        raise
+        finally:
+            ready.cancel()
     metrics = str(settings["metrics_listen"]).rpartition(":")[2]
     return ProducerProcess(proc, target, int(metrics) if metrics else 0)
 
