@@ -102,7 +102,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _refusing_handler(kind: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     async def refuse(request: Any, context: Any) -> None:
-        _warnings.warn("auth", context.peer(), "call refused", code=code.name, peer=context.peer())
+        peer = context.peer()
+        _warnings.warn("auth", peer, "call refused", lambda: {"code": code.name, "peer": peer})
         await context.abort(code, message)
 
     if kind == "stream_unary":

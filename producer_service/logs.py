@@ -76,8 +76,9 @@ class RateLimitedWarnings:
         self._kind_last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def warn(self, kind: str, key: str, message: str, **fields: Any) -> bool:
-        """Logs unless the same (kind, key) or too many of `kind` were logged recently."""
+    def warn(self, kind: str, key: str, message: str, fields: Callable[[], dict[str, Any]]) -> bool:
+        """Logs unless the same (kind, key) or too many of `kind` were logged recently.
+        `fields` builds the structured fields, called only when the warning is logged."""
         now = self._clock()
         last = self._last.get((kind, key))
         kind_last = self._kind_last.get(kind)
@@ -92,8 +93,9 @@ class RateLimitedWarnings:
         while len(self._last) > self._max_keys:
             self._last.popitem(last=False)
         self._kind_last[kind] = now
+        extra = fields()
         suppressed = self._suppressed.pop(kind, 0)
         if suppressed:
-            fields["suppressed_since_last"] = suppressed
-        self._logger.warning(message, extra={"kv": fields})
+            extra["suppressed_since_last"] = suppressed
+        self._logger.warning(message, extra={"kv": extra})
         return True

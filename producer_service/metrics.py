@@ -9,7 +9,8 @@ test process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -113,13 +114,18 @@ class ProducerMetrics:
             registry=r,
         )
 
+        self._parks = _Children(self.park_total, _labels)
+        self._fetches = _Children(self.fetch_total, _labels)
+        self._suppressed = _Children(self.suppressed_warnings_total, lambda kind: (kind,))
+
     def count_park(self, reason: Reason) -> None:
-        status, label = _labels(reason)
-        self.park_total.labels(status, label).inc()
+        self._parks.inc(reason)
 
     def count_fetch(self, reason: Reason) -> None:
-        status, label = _labels(reason)
-        self.fetch_total.labels(status, label).inc()
+        self._fetches.inc(reason)
+
+    def count_suppressed(self, kind: str) -> None:
+        self._suppressed.inc(kind)
 
     def serve(self, address: str) -> int:
         """Starts the /metrics HTTP endpoint on `address` ("host:port"); returns the port."""
@@ -135,6 +141,22 @@ class ProducerMetrics:
         if http is not None:
             http.shutdown()
             http.server_close()
+
+
+class _Children:
+    """A labelled counter's children, each looked up once. `labels()` builds and validates its
+    key on every call (a few µs); a late fetch is answered in tens of µs, so it shows."""
+
+    def __init__(self, counter: Counter, labels_of: Callable[[Any], tuple[str, ...]]) -> None:
+        self._counter = counter
+        self._labels_of = labels_of
+        self._children: dict[Any, Any] = {}
+
+    def inc(self, key: Any) -> None:
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._counter.labels(*self._labels_of(key))
+        child.inc()
 
 
 def _labels(reason: Reason) -> tuple[str, str]:

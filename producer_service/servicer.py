@@ -58,9 +58,7 @@ class KVProducerServicer:
         self._metrics = metrics
         self._max_chunk_bytes = max_chunk_bytes
         self._server_info = server_info
-        self._warnings = RateLimitedWarnings(
-            log, lambda kind: metrics.suppressed_warnings_total.labels(kind).inc()
-        )
+        self._warnings = RateLimitedWarnings(log, metrics.count_suppressed)
 
     # =================================================================================== Park
     async def Park(self, requests: AsyncIterator[bytes], context: Any) -> pb.ParkResponse:
@@ -218,14 +216,17 @@ class KVProducerServicer:
 
     # ================================================================================ helpers
     def _warn_late(self, kind: str, kid: str, refusal: Refusal, context: Any) -> None:
+        # Most late calls are suppressed: their fields are only built for the ones logged.
         self._warnings.warn(
             kind,
             kid,
             f"{kind.replace('_', ' ')} for an ended id answered at once",
-            id=printable_id(kid),
-            reason=reason_name(refusal.reason),
-            detail=refusal.detail,
-            peer=context.peer(),
+            lambda: {
+                "id": printable_id(kid),
+                "reason": reason_name(refusal.reason),
+                "detail": refusal.detail,
+                "peer": context.peer(),
+            },
         )
 
 
