@@ -9,16 +9,14 @@ Lookups for the same id as the one-round-trip reference.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import Any
 
 from shared.pb import kvpark_pb2 as pb
 
 from . import data
 from .clients import Parker
-from .env import start_child, stop_child
+from .helper import JsonLineChild
 from .report import VerificationError
 
 
@@ -73,44 +71,25 @@ class ReapedIds:
 class Prober:
     """The prober process (prober.py) for one producer."""
 
+    # An idle run of 2 x 2,000 round trips takes seconds; this bounds a prober that hangs.
+    ANSWER_TIMEOUT_S = 300.0
+
     def __init__(self, target: str) -> None:
-        self._proc = start_child("prober", [target])
-
-    def _ask(self, line: str) -> dict[str, Any]:
-        proc = self._proc
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(line + "\n")
-        proc.stdin.flush()
-        return self._answer()
-
-    def _answer(self) -> dict[str, Any]:
-        proc = self._proc
-        assert proc.stdout is not None and proc.stderr is not None
-        reply = proc.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"prober exited: {proc.stderr.read()[-2000:]}")
-        doc: dict[str, Any] = json.loads(reply)
-        if "error" in doc:
-            raise VerificationError(f"prober: {doc['error']}")
-        return doc
+        self._child = JsonLineChild("prober", [target])
 
     def idle(self, n: int, kid: str) -> tuple[list[float], list[float]]:
         """(Lookup seconds, late-Fetch seconds), n of each, interleaved."""
-        doc = self._ask(f"idle {n} {kid}")
+        doc = self._child.ask(f"idle {n} {kid}", self.ANSWER_TIMEOUT_S)
         return doc["lookup"], doc["reject"]
 
     def start_loaded(self, kid: str, gap_s: float) -> None:
-        doc = self._ask(f"loaded {kid} {gap_s}")
+        doc = self._child.ask(f"loaded {kid} {gap_s}", self.ANSWER_TIMEOUT_S)
         if not doc.get("started"):
             raise RuntimeError(f"prober did not start: {doc}")
 
     def stop_loaded(self) -> list[float]:
-        proc = self._proc
-        assert proc.stdin is not None
-        proc.stdin.write("stop\n")
-        proc.stdin.flush()
-        rejects: list[float] = self._answer()["reject"]
+        rejects: list[float] = self._child.ask("stop", self.ANSWER_TIMEOUT_S)["reject"]
         return rejects
 
     def close(self) -> None:
-        stop_child(self._proc)
+        self._child.close()

@@ -8,8 +8,10 @@ one per stdin line, each answered by one JSON line on stdout:
 - `idle N KID` — N rounds of (one unary Lookup, one late Fetch of KID), back to back and
   interleaved so both share the same conditions; answers `{"lookup": [...], "reject": [...]}`
   in seconds.
-- `loaded KID GAP_S` — late Fetches of KID every GAP_S seconds until a `stop` line; answers
-  `{"reject": [...]}`.
+- `loaded KID GAP_S` — late Fetches of KID every GAP_S seconds (at least one) until a `stop`
+  line; answers `{"started": true}` at once, then `{"reject": [...]}`.
+
+(The line protocol is helper.py's.)
 
 A late Fetch must be answered with exactly one message, `TransferDone{STATUS_FAILED,
 REASON_REAPED}`; anything else is reported as `{"error": ...}` and fails the run.
@@ -18,19 +20,17 @@ REASON_REAPED}`; anything else is reported as `{"error": ...}` and fails the run
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from shared.pb import kvpark_pb2 as pb
 from shared.pb import kvpark_pb2_grpc as pb_grpc
 
-Answer = dict[str, Any]
+from .helper import Answer, answer_commands, repeat_until, run_until_stop
 
 
 class _WrongAnswer(Exception):
@@ -70,11 +70,7 @@ def _idle(stub: pb_grpc.KVProducerStub, n: int, kid: str) -> Answer:
 
 
 def _loaded(stub: pb_grpc.KVProducerStub, kid: str, gap_s: float, stop: threading.Event) -> Answer:
-    rejects: list[float] = []
-    while not stop.is_set():
-        rejects.append(_late_fetch(stub, kid))
-        stop.wait(gap_s)
-    return {"reject": rejects}
+    return {"reject": repeat_until(stop, gap_s, lambda: _late_fetch(stub, kid))}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -82,50 +78,15 @@ def main(argv: Sequence[str]) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.KVProducerStub(channel)
         grpc.channel_ready_future(channel).result(timeout=30)
-        lines = iter(sys.stdin.readline, "")
-        for line in lines:
-            parts = line.split()
-            if not parts:
-                continue
-            answer: Answer
-            try:
-                if parts[0] == "idle":
-                    answer = _idle(stub, int(parts[1]), parts[2])
-                elif parts[0] == "loaded":
-                    work = functools.partial(_loaded, stub, parts[1], float(parts[2]))
-                    answer = _run_until_stop(work, lines)
-                else:
-                    answer = {"error": f"unknown command {parts[0]!r}"}
-            except (_WrongAnswer, grpc.RpcError) as exc:
-                answer = {"error": f"{type(exc).__name__}: {exc}"}
-            print(json.dumps(answer), flush=True)
+
+        def loaded(args: Sequence[str], lines: Iterator[str]) -> Answer:
+            return run_until_stop(functools.partial(_loaded, stub, args[0], float(args[1])), lines)
+
+        answer_commands(
+            {"idle": lambda args, _: _idle(stub, int(args[0]), args[1]), "loaded": loaded},
+            (_WrongAnswer, grpc.RpcError),
+        )
     return 0
-
-
-def _run_until_stop(work: Callable[[threading.Event], Answer], lines: Iterator[str]) -> Answer:
-    """Runs `work` in a thread until a `stop` line arrives on stdin (or stdin closes)."""
-    stop = threading.Event()
-    result: list[Answer] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(work(stop))
-        except BaseException as exc:
-            errors.append(exc)
-            stop.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    print(json.dumps({"started": True}), flush=True)
-    for line in lines:
-        if line.strip() == "stop":
-            break
-    stop.set()
-    thread.join(timeout=30)
-    if errors:
-        return {"error": f"{type(errors[0]).__name__}: {errors[0]}"}
-    return result[0] if result else {"error": "prober thread did not finish"}
 
 
 if __name__ == "__main__":
