@@ -14,6 +14,8 @@ import numpy.typing as npt
 
 from shared.checksum import crc32c_of
 
+from .report import VerificationError
+
 U8 = npt.NDArray[np.uint8]
 
 # Offset step between repetitions: odd, so windows never line up with each other's words.
@@ -68,6 +70,14 @@ def first_difference(a: U8, b: U8) -> int:
         if len(diff):
             return start + int(diff[0])
     return -1
+
+
+def check_same(got: U8, expected: U8, what: str) -> None:
+    """Raises VerificationError naming `what` and the first differing byte unless `got` holds
+    exactly `expected`."""
+    if not same_bytes(got, expected):
+        where = first_difference(got, expected)
+        raise VerificationError(f"{what}: byte {where} differs from what was sent")
 
 
 def chunk_crcs(data: U8, chunk_bytes: int) -> list[int]:

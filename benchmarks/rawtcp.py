@@ -22,7 +22,6 @@ import numpy as np
 
 from . import data
 from .env import start_child, stop_child
-from .report import VerificationError
 
 
 class CpuClock(Protocol):
@@ -79,11 +78,7 @@ class RawTcpPair:
         _expect(self._peer, "sent")  # the peer's last sendall has returned
         if cpu is not None:
             cpu.stop()
-        if not data.same_bytes(dest, expected):
-            where = data.first_difference(dest, expected)
-            raise VerificationError(
-                f"raw TCP, {chunk}-byte sends, repetition {rep}: byte {where} differs"
-            )
+        data.check_same(dest, expected, f"raw TCP, {chunk}-byte sends, window {rep}")
         return seconds
 
     def close(self) -> None:
