@@ -3,7 +3,9 @@
 A `Figure` is one measured quantity: its samples (one per repetition, or one per try for
 latencies), the statistic reported (median, or a percentile), the spread (min-max of the
 repetitions, or p50-p99 for latencies), an optional ratio to another figure of the same run,
-and an optional target. Targets are judged on ratios within one run wherever the issue states
+and an optional target; `other_ratios` holds further ratios to figures of the same run (the
+JSON carries them, the table shows one ratio column: a ratio worth reading there gets a row of
+its own, `ratio_figure`). Targets are judged on ratios within one run wherever the issue states
 them as ratios, because this machine is noisy (performance-notes.md): absolute GB/s moves
 ±20 % between runs, ratios much less.
 
@@ -67,6 +69,8 @@ class Figure:
     ratio_to: str = ""  # the figure (key) the ratio divides by
     target: Target | None = None
     note: str = ""
+    # Paired ratios to other figures of the run besides `ratio_to`: reference key -> ratio.
+    other_ratios: dict[str, float] = field(default_factory=dict)
     group: str = "main"  # which table: "main" (the issue's figures) or "cpu" (CPU per GB)
 
     @property
@@ -90,6 +94,7 @@ class Figure:
             "samples": self.samples,
             "ratio": self.ratio,
             "ratio_to": self.ratio_to or None,
+            "other_ratios": self.other_ratios or None,
             "target": self.target.text if self.target is not None else None,
             "target_met": met,
             "note": self.note or None,
@@ -128,6 +133,44 @@ def set_ratio(figure: Figure, reference: Figure) -> Figure:
     return figure
 
 
+def paired_ratios(figure: Figure, reference: Figure) -> list[float]:
+    """figure / reference per repetition, when both were measured in the same repetitions
+    (one sample each, in order); [] otherwise. Each pair shares the machine's conditions of
+    that moment, so the ratios are steadier than the ratio of the medians on a noisy machine."""
+    if len(figure.samples) != len(reference.samples) or not figure.samples:
+        return []
+    return [a / b for a, b in zip(figure.samples, reference.samples, strict=True)]
+
+
+def paired_ratio(figure: Figure, reference: Figure) -> float:
+    """Median of the paired ratios; the ratio of the values when there are none."""
+    ratios = paired_ratios(figure, reference)
+    if ratios:
+        return statistics.median(ratios)
+    return figure.value / reference.value if reference.value else math.nan
+
+
+def set_paired_ratio(figure: Figure, reference: Figure) -> Figure:
+    figure.ratio = paired_ratio(figure, reference)
+    figure.ratio_to = reference.key
+    return figure
+
+
+def ratio_figure(key: str, label: str, figure: Figure, reference: Figure) -> Figure:
+    """A row whose value is the paired ratio figure / reference (unit "x"), spread = the
+    lowest..highest repetition's ratio."""
+    ratios = paired_ratios(figure, reference) or [paired_ratio(figure, reference)]
+    return Figure(
+        key,
+        label,
+        "x",
+        statistics.median(ratios),
+        ratios,
+        spread=(min(ratios), max(ratios)),
+        note=f"{figure.key} / {reference.key}, paired by repetition",
+    )
+
+
 # ------------------------------------------------------------------------------- output
 def _fmt(value: float | None, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -159,7 +202,7 @@ def render_table(figures: Sequence[Figure]) -> str:
             (
                 f.label,
                 f.statistic,
-                f"{_fmt(f.value, f.unit)} {f.unit}",
+                _fmt(f.value, "ratio") if f.unit == "x" else f"{_fmt(f.value, f.unit)} {f.unit}",
                 spread,
                 str(len(f.samples)) if f.samples else "",
                 ratio,

@@ -1,13 +1,16 @@
-"""Bulk transfer: raw TCP vs Park vs Fetch of one 580 MB request, and 16 Fetch streams at once.
+"""Bulk transfer: raw TCP vs bare gRPC vs Park vs Fetch of one 580 MB request, and 16 Fetch
+streams at once.
 
-Single stream — for each repetition and each chunk size, three steps back to back, so the
-three figures share the machine's conditions of the moment (this 2-core machine is noisy):
+Single stream — for each repetition and each chunk size, four steps back to back, so the
+four figures share the machine's conditions of the moment (this 2-core machine is noisy):
 
 1. raw TCP: the window moved between two processes (`rawtcp`), the practical limit;
-2. park: the same window uploaded as one declared Park batch of `chunk`-byte chunks, timed
+2. bare gRPC: the same window streamed by a minimal grpcio server process as `chunk`-byte
+   messages into a preallocated numpy array (`grpcfloor`), the transport's own limit;
+3. park: the same window uploaded as one declared Park batch of `chunk`-byte chunks, timed
    from the call to the `ParkResponse`; chunk CRC32Cs are computed before the clock starts
    (the prefill side had them as it produced the chunks);
-3. fetch: the id loaded with the loader (consumer_client) into a preallocated numpy array,
+4. fetch: the id loaded with the loader (consumer_client) into a preallocated numpy array,
    CRCs verified by the loader, then every byte compared with the window.
 
 Each repetition and chunk size uses a different window of the pattern, so bytes left over
@@ -23,6 +26,7 @@ ratio. While the 16 streams run, the prober process sends late Fetches.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import time
 import uuid
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from . import data
 from .clients import LOAD_TIMEOUT_S, Loaded, Loader, Parker, zeroed
 from .env import cpu_seconds
+from .grpcfloor import FloorClient, FloorServer
 from .rawtcp import RawTcpPair
 from .report import VerificationError
 
@@ -41,15 +46,17 @@ KEEP_S = 120.0
 
 @dataclass
 class SingleStreamSamples:
-    """Seconds per repetition, by chunk size; `cpu` holds, per repetition, the CPU seconds the
-    two processes spent on it: (this process, the other one) — receiver and sender for raw
-    TCP, client and producer for park and fetch."""
+    """Seconds per repetition, by chunk size; `cpu` holds, per step ("raw", "floor", "park",
+    "fetch") and repetition, the CPU seconds the two processes spent on it: (this process, the
+    other one) — receiver and sender for raw TCP, client and server for the bare gRPC stream,
+    client and producer for park and fetch."""
 
     raw: dict[int, list[float]] = field(default_factory=dict)
+    floor: dict[int, list[float]] = field(default_factory=dict)
     park: dict[int, list[float]] = field(default_factory=dict)
     fetch: dict[int, list[float]] = field(default_factory=dict)
     cpu: dict[str, dict[int, list[tuple[float, float]]]] = field(
-        default_factory=lambda: {"raw": {}, "park": {}, "fetch": {}}
+        default_factory=lambda: {"raw": {}, "floor": {}, "park": {}, "fetch": {}}
     )
     bytes_verified: int = 0
 
@@ -110,10 +117,22 @@ def check_loaded(kid: str, result: Loaded, chunks: int, dest: data.U8, payload: 
             f"load of {kid!r}: ok={result.ok} reason={result.reason} chunks={result.chunks}/"
             f"{chunks} bytes={result.nbytes}/{len(payload)}"
         )
-    loaded = dest[: len(payload)]
-    if not data.same_bytes(loaded, payload):
-        where = data.first_difference(loaded, payload)
-        raise VerificationError(f"load of {kid!r}: byte {where} differs from what was parked")
+    data.check_same(dest[: len(payload)], payload, f"load of {kid!r}")
+
+
+def floor_checked(
+    floor: FloorClient, window_no: int, chunk: int, dest: data.U8, payload: data.U8, cpu: CpuPair
+) -> float:
+    """Streams window `window_no` (`payload`) from the bare gRPC server into `dest` in
+    `chunk`-byte messages; returns the seconds, every byte verified. The server cuts the
+    messages before the clock starts; `cpu` measures the stream alone."""
+    request, messages = floor.prepare(window_no, len(payload), chunk)
+    dest.fill(0)
+    cpu.start()
+    result = floor.load(request, messages, dest, LOAD_TIMEOUT_S)
+    cpu.stop()
+    check_loaded(f"bare gRPC {request}", result, messages, dest, payload)
+    return result.seconds
 
 
 def single_stream(
@@ -127,11 +146,18 @@ def single_stream(
     progress: Progress,
 ) -> SingleStreamSamples:
     out = SingleStreamSamples()
-    tcp = RawTcpPair(source, nbytes)
-    dest = zeroed(nbytes)
-    tag = _tag()
-    tcp_cpu, grpc_cpu = CpuPair(tcp.peer_pid), CpuPair(producer_pid)
-    try:
+    with contextlib.ExitStack() as helpers:
+        # The floor's server builds its pattern while the raw-TCP peer builds its own.
+        floor_server = FloorServer(len(source))
+        helpers.callback(floor_server.close)
+        tcp = RawTcpPair(source, nbytes)
+        helpers.callback(tcp.close)
+        floor = FloorClient(floor_server.ready(), max(chunk_sizes))
+        helpers.callback(floor.close)
+        dest = zeroed(nbytes)
+        tag = _tag()
+        tcp_cpu, floor_cpu = CpuPair(tcp.peer_pid), CpuPair(floor_server.pid)
+        grpc_cpu = CpuPair(producer_pid)
         for rep in range(reps):
             for ci, chunk in enumerate(chunk_sizes):
                 window_no = rep * len(chunk_sizes) + ci
@@ -140,6 +166,10 @@ def single_stream(
                 out.raw.setdefault(chunk, []).append(tcp.once(window_no, chunk, tcp_cpu))
                 out.cpu["raw"].setdefault(chunk, []).append(tcp_cpu.last)
                 payload = data.window(source, window_no, nbytes)
+                progress(f"transfer {label}: bare gRPC stream")
+                floor_s = floor_checked(floor, window_no, chunk, dest, payload, floor_cpu)
+                out.floor.setdefault(chunk, []).append(floor_s)
+                out.cpu["floor"].setdefault(chunk, []).append(floor_cpu.last)
                 kid = f"bench-{tag}-{chunk >> 20}m-{rep}"
                 progress(f"transfer {label}: park")
                 park_s, chunks = park_checked(parker, kid, payload, chunk, grpc_cpu)
@@ -152,9 +182,8 @@ def single_stream(
                 out.cpu["fetch"].setdefault(chunk, []).append(grpc_cpu.stop())
                 check_loaded(kid, result, chunks, dest, payload)
                 out.fetch.setdefault(chunk, []).append(result.seconds)
-                out.bytes_verified += 3 * nbytes
-    finally:
-        tcp.close()
+                # raw TCP, bare gRPC, park (its bytes verified by the fetch), fetch
+                out.bytes_verified += 4 * nbytes
     return out
 
 
@@ -178,8 +207,11 @@ class LoadProbe:
 BatchLoad = Callable[[Sequence[str], Sequence[int], Sequence[data.U8]], tuple[list[Loaded], float]]
 
 
-def threaded_batch(loader: Loader, streams: int) -> tuple[BatchLoad, Callable[[], None]]:
-    """`streams` threads sharing one sync client (one channel): a threaded decode worker."""
+def threaded_batch(
+    loader: Loader, streams: int, timeout: float = LOAD_TIMEOUT_S
+) -> tuple[BatchLoad, Callable[[], None]]:
+    """`streams` threads sharing one sync client (one channel): a threaded decode worker.
+    Every load has `timeout` as its deadline, which bounds a batch."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams)
 
     def run(
@@ -187,7 +219,7 @@ def threaded_batch(loader: Loader, streams: int) -> tuple[BatchLoad, Callable[[]
     ) -> tuple[list[Loaded], float]:
         started = time.perf_counter()
         futures = [
-            pool.submit(loader.load, kid, n, dest, LOAD_TIMEOUT_S)
+            pool.submit(loader.load, kid, n, dest, timeout)
             for kid, n, dest in zip(kids, counts, dests, strict=True)
         ]
         results = [f.result() for f in futures]
