@@ -8,9 +8,12 @@ times a reaper pass. Every byte moved is verified; targets are reported, not enf
 docs/performance.md for the method and results, and `cli` for the sections.
 
 Modules: `cli` (the command and its sections), `report` (figures, targets, table, JSON),
-`env` (processes, allocator, RSS, CPU), `data` (payload pattern and byte checks), `rawtcp`
-(the baseline), `clients` (raw Park uploader, fetch loaders), `transfer` (single stream and
-16 streams), `latency` and `prober` (late fetches), `memory` (pool full, churn), `reaper`.
+`env` (processes, allocator, RSS, CPU), `helper` (the line protocol of helper processes),
+`data` (payload pattern and byte checks), `rawtcp` (the TCP baseline), `grpcfloor` (the
+bare-gRPC baseline), `clients` (raw Park uploader, fetch loaders), `transfer` (single stream
+and 16 streams), `latency` and `prober` (late fetches), `memory` (pool full, churn), `reaper`.
+Run on their own: `ablation` (what each data-path lever buys) and `acceptfloor` (late-call
+latency on bare grpcio while 16 streams run).
 """
 
 from __future__ import annotations
