@@ -57,6 +57,21 @@ class LeaseQueue(Generic[T]):
             return fifo.popleft()
         return heapq.heappop(heap)
 
+    def pop_due(self, now: float) -> list[tuple[float, int, T]]:
+        """Removes and returns every item whose deadline is at or before `now`, earliest first:
+        what a peek/pop loop would return, in one call per reaper pass."""
+        fifo, heap = self._in_order, self._heap
+        due: list[tuple[float, int, T]] = []
+        # While the heap head is due, the earliest item of the two is too: `pop` picks it.
+        while heap and heap[0][0] <= now:
+            due.append(self.pop())
+        # Nothing left in the heap is due, so the rest of the due items are a FIFO prefix.
+        merged = len(due)
+        while fifo and fifo[0][0] <= now:
+            due.append(fifo.popleft())
+        self.pops += len(due) - merged
+        return due
+
     def retain(self, keep: Callable[[tuple[float, int, T]], bool]) -> None:
         """Drops every item `keep` rejects (compaction when stale items pile up)."""
         self._in_order = deque(item for item in self._in_order if keep(item))

@@ -214,11 +214,16 @@ class HostPool:
         slot = self._slot(handle)
         slot.generation += 1
         slot.in_use = False
-        self._free_pages.extend(reversed(slot.pages))
+        pages = slot.pages
+        if len(pages) == 1:  # the common small chunk: no reversed() iterator to build
+            self._free_pages.append(pages[0])
+        else:
+            self._free_pages.extend(reversed(pages))
         self._stored_bytes -= slot.nbytes
         self._slots_in_use -= 1
-        slot.pages = []
-        slot.extents = []
+        # Emptied in place: the slot is the only owner of both lists (`store` gives it new ones).
+        pages.clear()
+        slot.extents.clear()
         slot.nbytes = 0
         self._free_slots.append(handle.index)
 

@@ -40,6 +40,11 @@ def joined(pool: HostPool, handle: SlotHandle) -> bytes:
     return b"".join(bytes(v) for v in pool.views(handle))
 
 
+def address(view: memoryview) -> int:
+    """Where a view starts in memory (to tell which pool page it is)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def store(pool: HostPool, data: bytes, reservation: Reservation | None = None) -> SlotHandle:
     handle = pool.store(memoryview(data), reservation)
     assert handle is not None, "pool unexpectedly full"
@@ -158,6 +163,32 @@ def test_freed_handle_is_stale_even_after_its_slot_is_reused_with_new_data(
         pool.free(old)  # a double free is caught, and does not free the new owner's pages
     assert joined(pool, new) == new_data
     assert pool.statistics().slots_in_use == 1
+    pool.check_invariants()
+
+
+def test_freed_pages_are_handed_out_again_last_freed_first_in_their_old_order(
+    pool: HostPool,
+) -> None:
+    one = store(pool, random_bytes(PAGE, seed=1))  # page 0
+    three = store(pool, random_bytes(3 * PAGE, seed=2))  # pages 1-3
+    kept = store(pool, random_bytes(PAGE - 1, seed=3))  # page 4
+    pool.free(one)
+    pool.free(three)
+    pool.check_invariants()
+    assert pool.statistics().free_bytes == 15 * PAGE
+    # The chunk freed last comes back first, from its first page: pages 1-3, then page 0.
+    again = store(pool, random_bytes(4 * PAGE, seed=4))
+    run, page0 = pool.views(again)
+    assert (len(run), len(page0)) == (3 * PAGE, PAGE)
+    assert address(run) - address(page0) == PAGE
+    assert joined(pool, again) == random_bytes(4 * PAGE, seed=4)
+    pool.free(kept)
+    single = store(pool, b"z")  # page 4 again, before the never-used pages 5-15
+    assert address(pool.views(single)[0]) - address(page0) == 4 * PAGE
+    del run, page0
+    pool.free(again)
+    pool.free(single)
+    assert pool.statistics().free_bytes == 16 * PAGE
     pool.check_invariants()
 
 
