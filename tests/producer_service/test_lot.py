@@ -342,6 +342,40 @@ def test_tombstones_are_capped_oldest_first() -> None:
     ]  # fmt: skip
 
 
+def test_one_pass_ends_plain_and_open_batch_ids_and_keeps_the_newest_tombstones() -> None:
+    """A pass that ends more ids than `max_tombstones` keeps the same tombstones as ending them
+    one at a time would: the newest, oldest dropped first. Ids with an open Park batch are
+    ended in the same pass; bound and unexpired ids are left alone."""
+    rig = Rig(max_tombstones=3)
+    rig.parked("released", [0])
+    assert rig.lot.release("released") is None
+    busy = rig.bound("busy")  # a demand: bound before any chunk, so never on a lease
+    for i in range(4):
+        rig.parked(f"id{i}", [0, 1])
+        rig.advance(1)
+    batch = rig.begin("open", batch_bytes=3 * PAGE)
+    rig.chunk(batch, 0, blob("open", 0, PAGE))
+    rig.advance(30)
+    rig.parked("young", [0])
+    rig.advance(30)  # every lease but young's has run out
+
+    assert rig.reap() == ["id0", "id1", "id2", "id3", "open"]
+
+    assert rig.lot.statistics().tombstones == 3
+    for kid in ("released", "id0", "id1"):
+        assert rig.state(kid).state == pb.STATE_UNKNOWN
+    for kid in ("id2", "id3", "open"):
+        assert_tombstoned(rig, kid, REAPED)
+        assert rig.state(kid).age_s == 0
+    assert_refused(rig.lot.finish_park(batch), REAPED)
+    assert rig.state("young").state == pb.STATE_PARKED
+    assert rig.state("busy").state == pb.STATE_BOUND and busy.active
+    stats = rig.lot.statistics()
+    assert (stats.parked_ids, stats.bound_ids, stats.reaped_total) == (1, 1, 5)
+    assert stats.parked_bytes == rig.pool.statistics().stored_bytes == len(blob("young", 0))
+    assert rig.pool.statistics().reservations_open == 0
+
+
 def test_bound_id_is_not_reaped_while_its_fetch_is_attached(rig: Rig) -> None:
     rig.parked("busy", [0, 1], total=2)
     binding = rig.bound("busy")
