@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -27,18 +28,32 @@ TRIM_THRESHOLD_BYTES = 2 * 1024 * 1024 * 1024
 ARENA_MAX = 2
 
 
+def _libc_function(name: str) -> Any:
+    """A glibc function by name, or None where there is no glibc (musl, macOS)."""
+    path = ctypes.util.find_library("c")
+    if not path:
+        return None
+    try:
+        return getattr(ctypes.CDLL(path), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def tune_allocator() -> bool:
     """Keeps multi-MiB buffers on the glibc heap. True if applied; False where there is no
     glibc (musl, macOS), in which case nothing changes."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     ok_mmap = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     ok_trim = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     ok_arena = mallopt(_M_ARENA_MAX, ARENA_MAX)
     return bool(ok_mmap and ok_trim and ok_arena)
+
+
+def release_free_heap() -> bool:
+    """Hands freed heap back to the OS (`malloc_trim(0)`): the counterpart of the high trim
+    threshold above, for a process that has gone idle after a burst. True if glibc released
+    something; False where it had nothing to give back, or there is no glibc."""
+    malloc_trim = _libc_function("malloc_trim")
+    return bool(malloc_trim(0)) if malloc_trim is not None else False
