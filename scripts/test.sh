@@ -37,6 +37,7 @@ fi
 
 echo "== lint and types"
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy
 
 echo "== tests"

@@ -28,9 +28,12 @@ async def get_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
     clock = FakeClock()
-    async with running_producer(
-        clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
-    ) as server, stub_for(server) as stub:
+    async with (
+        running_producer(
+            clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
+        ) as server,
+        stub_for(server) as stub,
+    ):
         m = await get_metrics(server.metrics_port)
         assert m[("kvpark_pool_bytes", ())] == server.pool.pool_bytes
         assert m[("kvpark_pool_used_bytes", ())] == 0
@@ -55,9 +58,7 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
         m = await get_metrics(server.metrics_port)
         assert m[("kvpark_fetch_total", (("reason", "none"), ("status", "ok")))] == 1
         assert m[("kvpark_fetch_total", (("reason", "reaped"), ("status", "failed")))] == 1
-        assert (
-            m[("kvpark_fetch_total", (("reason", "wait_timeout"), ("status", "failed")))] == 1
-        )
+        assert m[("kvpark_fetch_total", (("reason", "wait_timeout"), ("status", "failed")))] == 1
         assert m[("kvpark_reaped_total", ())] == 1
         assert m[("kvpark_late_fetch_rejections_total", ())] == 1
         assert m[("kvpark_sent_bytes_total", ())] == 1000
@@ -69,9 +70,12 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
 
 async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> None:
     clock = FakeClock()
-    async with running_producer(
-        clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
-    ) as server, stub_for(server) as stub:
+    async with (
+        running_producer(
+            clock=clock, metrics_listen="127.0.0.1:0", unbound_store_timeout_s=5
+        ) as server,
+        stub_for(server) as stub,
+    ):
         await park(stub, "noisy", {0: b"n"}, total=1)
         clock.advance(6)
         server.reap_soon()

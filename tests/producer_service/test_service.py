@@ -101,13 +101,16 @@ async def test_reference_scenario_late_fetch_after_reap_answered_at_once() -> No
 
 async def test_tombstones_pruned_after_retention_and_at_cap() -> None:
     clock = FakeClock()
-    async with running_producer(
-        clock=clock,
-        unbound_store_timeout_s=1,
-        tombstone_retention_s=40,
-        consumer_load_timeout_s=30,
-        max_tombstones=3,
-    ) as server, stub_for(server) as stub:
+    async with (
+        running_producer(
+            clock=clock,
+            unbound_store_timeout_s=1,
+            tombstone_retention_s=40,
+            consumer_load_timeout_s=30,
+            max_tombstones=3,
+        ) as server,
+        stub_for(server) as stub,
+    ):
         for i in range(5):
             await park(stub, f"t{i}", chunks_of(1), total=1)
         clock.advance(1.5)
