@@ -72,6 +72,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 found = role
         return found
 
+    def open_methods(self) -> tuple[str, ...]:
+        """The kvpark methods this interceptor lets through without any token: those of a
+        role with no token configured (empty when both roles have one)."""
+        return tuple(m for m in _METHOD_ROLES if self.decide(m, ()) is None)
+
     def decide(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """None when the call may proceed, else the status to refuse it with."""
         roles = _METHOD_ROLES.get(method)

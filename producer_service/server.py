@@ -109,9 +109,9 @@ class ProducerServer:
 
     # ---------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        server = grpc.aio.server(
-            options=_grpc_options(self.config), interceptors=self._interceptors()
-        )
+        interceptors = self._interceptors()
+        self._warn_half_protected(interceptors)
+        server = grpc.aio.server(options=_grpc_options(self.config), interceptors=interceptors)
         server.add_generic_rpc_handlers([method_handlers(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -148,6 +148,22 @@ class ProducerServer:
         c = self.config
         park, fetch = c.resolved_park_token(), c.resolved_fetch_token()
         return [TokenAuthInterceptor(park, fetch)] if park or fetch else []
+
+    def _warn_half_protected(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
+        """A token for one role only leaves the other role's methods open (spec §6). That is
+        valid — and on loopback, or with client certificates required, harmless — but on an
+        exposed listen it is rarely meant, so it is said once at start-up."""
+        c = self.config
+        if c.listen_is_loopback or c.tls_client_ca_file is not None:
+            return
+        for interceptor in interceptors:
+            if isinstance(interceptor, TokenAuthInterceptor) and interceptor.open_methods():
+                log.warning(
+                    "only one role has a token: %s answer anyone who reaches this listen "
+                    "address; set the other role's token or require client certificates",
+                    ", ".join(interceptor.open_methods()),
+                    extra={"kv": {"listen": c.listen, "open": list(interceptor.open_methods())}},
+                )
 
     def _bind(self, server: grpc.aio.Server) -> int:
         c = self.config

@@ -112,6 +112,64 @@ async def test_role_without_token_is_open() -> None:
             assert await call_code(stub.Release(release)) == grpc.StatusCode.UNAUTHENTICATED
 
 
+HALF_PROTECTED = "only one role has a token"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "open_methods"),
+    [
+        ({"fetch_token": FETCH_TOKEN}, "Park, Release, GetServerInfo"),
+        ({"park_token": PARK_TOKEN}, "Fetch, KeepAlive, Lookup, GetServerInfo"),
+    ],
+)
+async def test_one_token_on_an_exposed_listen_warns_which_methods_are_open(
+    caplog: pytest.LogCaptureFixture, tokens: dict[str, str], open_methods: str
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpark")
+    async with running_producer(listen="0.0.0.0:0", **tokens) as server:
+        warnings = [r.getMessage() for r in caplog.records if HALF_PROTECTED in r.getMessage()]
+        assert len(warnings) == 1 and f": {open_methods} answer anyone" in warnings[0]
+        # The warning tells the truth: the first method it names answers without a token.
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            tokenless = (
+                stub.Release(pb.ReleaseRequest(kv_request_id="a"))
+                if open_methods.startswith("Park")
+                else stub.Lookup(pb.LookupRequest(kv_request_ids=["a"]))
+            )
+            assert await call_code(tokenless) == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"listen": "0.0.0.0:0", "park_token": PARK_TOKEN, "fetch_token": FETCH_TOKEN},
+        {"listen": "127.0.0.1:0", "fetch_token": FETCH_TOKEN},  # loopback: only this host
+    ],
+)
+async def test_no_half_protection_warning_when_nothing_is_exposed(
+    caplog: pytest.LogCaptureFixture, overrides: dict[str, str]
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpark")
+    async with running_producer(**overrides):
+        assert not [r for r in caplog.records if HALF_PROTECTED in r.getMessage()]
+
+
+async def test_no_half_protection_warning_when_client_certificates_are_required(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    certs = make_certs(tmp_path)
+    caplog.set_level(logging.WARNING, logger="kvpark")
+    async with running_producer(
+        listen="0.0.0.0:0",
+        fetch_token=FETCH_TOKEN,
+        tls_cert_file=str(certs.server_cert),
+        tls_key_file=str(certs.server_key),
+        tls_client_ca_file=str(certs.ca),
+    ):
+        assert not [r for r in caplog.records if HALF_PROTECTED in r.getMessage()]
+
+
 async def test_tls_and_mtls(tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
     ca = certs.ca.read_bytes()
