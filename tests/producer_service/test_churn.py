@@ -178,7 +178,11 @@ async def test_churn_soak_serves_no_stale_bytes_and_ends_empty() -> None:
 async def test_pool_exhaustion_under_load_spares_bound_fetch_and_recovers() -> None:
     chunk = 512 * 1024
     async with running_producer(pool_bytes=8 * MiB, max_chunk_bytes=MiB) as server:
-        async with grpc.aio.insecure_channel(server.target, options=channel_options()) as channel:
+        # Without BDP probing the fetch's HTTP/2 window stays at 64 KiB, so the producer cannot
+        # push the whole 6 MiB into the client's buffers (ending the fetch and freeing the
+        # pages) while this test holds the stream at its first chunk.
+        options = [*channel_options(), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
             stub = pb_grpc.KVProducerStub(channel)
             big = {c: payload("big", c, chunk) for c in range(12)}  # 6 MiB of the 8
             assert (
