@@ -1,7 +1,8 @@
 """`kvpark-producer` / `python -m producer_service`: start a producer from its configuration.
 
-A thin layer over `config.load_config` and `server.serve`: a configuration error is printed
-on one line and exits 2; a clean shutdown on SIGTERM/SIGINT exits 0.
+A thin layer over `config.load_config` and `server.serve`: a configuration error (a pool larger
+than the memory the process may use included, see memory_room.py) is printed on one line and
+exits 2; a clean shutdown on SIGTERM/SIGINT exits 0.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from shared.alloc import tune_allocator
 
 from .config import ConfigError, load_config
 from .logs import configure_logging
+from .memory_room import check_pool_fits, measure_room
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(sys.argv[1:] if argv is None else argv)
+        configure_logging(config.log_level, config.log_format)
+        # Before the pool is allocated: one that cannot fit would get us OOM-killed silently.
+        check_pool_fits(config.pool_bytes, measure_room())
     except ConfigError as exc:
         print(f"kvpark-producer: config error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level, config.log_format)
     tune_allocator()  # multi-MiB messages off fresh mmaps (performance-notes.md)
     from .server import serve  # after config: a bad flag answers without importing grpc
 

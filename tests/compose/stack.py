@@ -34,6 +34,8 @@ DEMO_FILE = ROOT / "docker-compose.yml"
 TLS_FILE = ROOT / "docker-compose.tls.yml"
 TEST_FILE = HERE / "docker-compose.test.yml"
 BASE_IMAGE = os.environ.get("BASE_IMAGE", "python:3.11-slim")
+# The tag the compose files build and run (`${KVPARK_IMAGE:-kvpark:dev}` in them).
+IMAGE = os.environ.get("KVPARK_IMAGE", "kvpark:dev")
 # What the test override sets on the producer (tests/compose/docker-compose.test.yml).
 LEASE_S = 2.0
 
