@@ -4,7 +4,9 @@ The pool and the lot keep plain counters and statistics and never import prometh
 `_StateCollector` reads them at scrape time, so gauges cannot drift from the truth. Counters of
 outcomes (`park_total`, `fetch_total`, ...) are incremented by the servicer where the outcome is
 decided. Each producer owns its own `CollectorRegistry`, so several producers can live in one
-test process.
+test process. The standard `process_*` series (resident memory, CPU, file descriptors) come
+along: RSS is the pool plus what gRPC's buffers hold in a burst, and it is what a container's
+memory limit is measured against (README, "Memory").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     start_http_server,
 )
@@ -85,6 +88,7 @@ class ProducerMetrics:
     def __init__(self, lot: Lot) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(lot))
+        ProcessCollector(registry=self.registry)
         r = self.registry
         self.park_total = Counter(
             "kvpark_park", "Park calls by outcome", ["status", "reason"], registry=r

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from conftest import FakeClock, fetch_all, park, running_producer, stub_for, wait_until
+from conftest import FakeClock, MiB, fetch_all, park, running_producer, stub_for, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer_service.metrics import ProducerMetrics
@@ -86,6 +86,17 @@ async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> No
         assert m[("kvpark_late_fetch_rejections_total", ())] == 20
         # The first late fetch is logged; the other 19 for the same id are counted instead.
         assert m[("kvpark_suppressed_warnings_total", (("kind", "late_fetch"),))] == 19
+
+
+def test_process_memory_is_exported_and_holds_the_pool(producer_process) -> None:  # type: ignore[no-untyped-def]
+    pool = 256 * MiB
+    producer = producer_process(pool_bytes=pool)
+    m = scrape(producer.metrics_port)
+    rss = m[("process_resident_memory_bytes", ())]
+    # The pool is touched at start-up, so a fresh producer's resident memory already holds it,
+    # plus the interpreter and gRPC (README: ~60 MiB at start).
+    assert pool <= rss < pool + 200 * MiB, rss / MiB
+    assert m[("process_open_fds", ())] > 0
 
 
 def test_documented_metric_names_exist() -> None:
