@@ -72,3 +72,11 @@ def test_readme_and_compose_file_give_the_same_demo_command() -> None:
     # tests/test_docs_drift.py checks the service name; this checks the whole command.
     assert DEMO_COMMAND in (ROOT / "README.md").read_text()
     assert DEMO_COMMAND in DEMO_FILE.read_text()
+
+
+def test_demo_producer_memory_limit_follows_the_sizing_rule() -> None:
+    """README, "Memory": the container's limit is pool_bytes + 256 MiB (or more)."""
+    block = services(DEMO_FILE)["producer"]
+    [pool] = re.findall(r"KVPARK_POOL_BYTES: (\d+)MiB", block)
+    [limit] = re.findall(r"^    mem_limit: (\d+)m$", block, flags=re.M)
+    assert int(limit) >= int(pool) + 256

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .stack import IMAGE, docker
+from .stack import IMAGE, Stack, docker
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(300)]
 
@@ -52,3 +52,13 @@ def test_pool_with_a_thin_margin_starts_and_warns(kvpark_image: None) -> None:
         assert "pool_bytes leaves" in logs and "Size the memory limit" in logs
     finally:
         docker("rm", "-f", name, check=False)
+
+
+def test_demo_producer_serves_within_its_memory_limit(producer: Stack) -> None:
+    """The compose demo sizes the producer's limit by the README's rule, so its start-up check
+    reads the cgroup and finds the margin enough: no thin-margin warning."""
+    assert int(producer.inspect("{{.HostConfig.Memory}}")) == 512 * 1024 * 1024
+    result = docker("logs", producer.container())
+    logs = result.stdout + result.stderr
+    assert "producer serving" in logs
+    assert "pool_bytes leaves" not in logs
