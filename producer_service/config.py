@@ -44,9 +44,12 @@ __all__ = [
 ENV_PREFIX = "KVPARK_"
 # The one KVPARK_ variable that is not a key: it names the JSON config file.
 CONFIG_ENV_VAR = "KVPARK_CONFIG"
-# KVPARK_ variables that belong to the `kvpark` operator CLI (consumer_client.cli), not to the
-# producer: ignored here rather than rejected as typos.
-CLIENT_ENV_VARS = frozenset({"KVPARK_TARGET", "KVPARK_TOKEN"})
+# KVPARK_ variables that belong to the project's other tools, not to the producer: ignored here
+# rather than rejected as typos, so one operator shell can hold them all. The `kvpark` CLI
+# (consumer_client.cli) reads the first two; the compose files interpolate the last two.
+OTHER_TOOLS_ENV_VARS = frozenset(
+    {"KVPARK_TARGET", "KVPARK_TOKEN", "KVPARK_IMAGE", "KVPARK_CERTS_DIR"}
+)
 # Upper bound of every seconds value: anything longer is a typo (ms for s), not a lease.
 MAX_SECONDS = 7 * 24 * 3600
 # Byte sizes travel as uint64 in ServerInfo and index int64 numpy buffers.
@@ -716,8 +719,8 @@ def _read_environment(environ: Mapping[str, str]) -> tuple[dict[str, str], str |
             continue
         if var == CONFIG_ENV_VAR:
             config_path = environ[var]
-        elif var in CLIENT_ENV_VARS:
-            continue  # the `kvpark` CLI's own settings; an operator's shell may hold both
+        elif var in OTHER_TOOLS_ENV_VARS:
+            continue  # the CLI's or the compose files' own; an operator's shell may hold all
         elif var in known:
             values[known[var]] = environ[var]
         else:

@@ -624,16 +624,17 @@ def test_keys_match_the_spec_table() -> None:
     assert spec_keys == list(KEYS)
 
 
-def test_client_cli_variables_are_not_producer_typos() -> None:
-    """`kvpark` reads KVPARK_TARGET / KVPARK_TOKEN: a shell holding them still starts a producer."""
+def test_other_tools_variables_are_not_producer_typos() -> None:
+    """The `kvpark` CLI and the compose files read KVPARK_ variables of their own: a shell
+    holding them still starts a producer, and every one of them is known to the producer."""
     from consumer_client import cli
+    from producer_service.config import OTHER_TOOLS_ENV_VARS
 
-    source = Path(cli.__file__).read_text()
-    used = set(re.findall(r"KVPARK_[A-Z_]+", source))
-    from producer_service.config import CLIENT_ENV_VARS
-
-    assert used <= CLIENT_ENV_VARS | {spec.env_var for spec in KEYS.values()}
-    config = load_config(
-        [], {"KVPARK_TARGET": "x:1", "KVPARK_TOKEN": "t", "KVPARK_POOL_BYTES": "32MiB"}
-    )
+    root = Path(cli.__file__).resolve().parents[1]
+    sources = [Path(cli.__file__), *root.glob("docker-compose*.yml")]
+    used = {v for path in sources for v in re.findall(r"KVPARK_[A-Z_]+", path.read_text())}
+    known = OTHER_TOOLS_ENV_VARS | {spec.env_var for spec in KEYS.values()} | {CONFIG_ENV_VAR}
+    assert used <= known, sorted(used - known)
+    environ = dict.fromkeys(OTHER_TOOLS_ENV_VARS, "x") | {"KVPARK_POOL_BYTES": "32MiB"}
+    config = load_config([], environ)
     assert config.pool_bytes == 32 * 1024 * 1024
