@@ -24,9 +24,6 @@ import grpc
 from .logs import LOGGER_NAME, RateLimitedWarnings
 from .servicer import SERVICE_NAME
 
-# Refused calls are logged (code and peer, never the token), at most once per peer per 10 s.
-_warnings = RateLimitedWarnings(logging.getLogger(LOGGER_NAME), on_suppressed=lambda kind: None)
-
 PARK_ROLE = "park"
 FETCH_ROLE = "fetch"
 
@@ -55,7 +52,15 @@ def _bearer(metadata: Any) -> bytes | None:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, park_token: str | None, fetch_token: str | None) -> None:
+    def __init__(
+        self,
+        park_token: str | None,
+        fetch_token: str | None,
+        on_suppressed: Callable[[str], None] = lambda kind: None,
+    ) -> None:
+        # Refused calls are logged (code and peer, never the token) at most once per peer per
+        # 10 s; the rest are counted through `on_suppressed("auth")` (the producer's metric).
+        self._warnings = RateLimitedWarnings(logging.getLogger(LOGGER_NAME), on_suppressed)
         self._tokens: dict[str, bytes] = {}
         if park_token:
             self._tokens[PARK_ROLE] = park_token.encode()
@@ -102,13 +107,17 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         refusal = self.decide(method, details.invocation_metadata)
         if refusal is None:
             return await continuation(details)
-        return _refusing_handler(_STREAMING.get(method, "unary_unary"), *refusal)
+        return _refusing_handler(
+            _STREAMING.get(method, "unary_unary"), *refusal, warnings=self._warnings
+        )
 
 
-def _refusing_handler(kind: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _refusing_handler(
+    kind: str, code: grpc.StatusCode, message: str, *, warnings: RateLimitedWarnings
+) -> grpc.RpcMethodHandler:
     async def refuse(request: Any, context: Any) -> None:
         peer = context.peer()
-        _warnings.warn("auth", peer, "call refused", lambda: {"code": code.name, "peer": peer})
+        warnings.warn("auth", peer, "call refused", lambda: {"code": code.name, "peer": peer})
         await context.abort(code, message)
 
     if kind == "stream_unary":

@@ -147,7 +147,9 @@ class ProducerServer:
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         c = self.config
         park, fetch = c.resolved_park_token(), c.resolved_fetch_token()
-        return [TokenAuthInterceptor(park, fetch)] if park or fetch else []
+        if not (park or fetch):
+            return []
+        return [TokenAuthInterceptor(park, fetch, on_suppressed=self.metrics.count_suppressed)]
 
     def _warn_half_protected(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
         """A token for one role only leaves the other role's methods open (spec §6). That is

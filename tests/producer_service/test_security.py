@@ -102,6 +102,23 @@ async def test_tokens_by_role() -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_refused_calls_are_logged_once_per_peer_and_the_rest_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpark")
+    async with running_producer(park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN) as server:
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            for _ in range(5):  # one peer (one channel), well within the 10 s window
+                lookup = stub.Lookup(pb.LookupRequest(kv_request_ids=["a"]), metadata=bearer("x"))
+                assert await call_code(lookup) == grpc.StatusCode.UNAUTHENTICATED
+        logged = [r for r in caplog.records if r.getMessage() == "call refused"]
+        suppressed = server.metrics.registry.get_sample_value(
+            "kvpark_suppressed_warnings_total", {"kind": "auth"}
+        )
+        assert (len(logged), suppressed) == (1, 4)
+
+
 async def test_role_without_token_is_open() -> None:
     async with running_producer(park_token=PARK_TOKEN) as server:
         async with grpc.aio.insecure_channel(server.target) as ch:
