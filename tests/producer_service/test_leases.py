@@ -32,6 +32,9 @@ def test_in_order_pushes_use_the_fifo_and_retain_filters() -> None:
     for seq in range(5):
         queue.push(10.0 + seq, seq, f"id{seq}")
     queue.push(1.0, 99, "rearmed")  # out of order: goes to the heap, still comes out first
+    # Iteration shows the layout, FIFO first, then the heap: only the out-of-order push is in
+    # the heap (a queue that heaped everything would list 99 first).
+    assert [seq for _, seq, _ in queue] == [0, 1, 2, 3, 4, 99]
     assert queue.peek() == (1.0, 99, "rearmed")
     queue.retain(lambda item: item[1] % 2 == 0)
     assert [queue.pop()[1] for _ in range(len(queue))] == [0, 2, 4]
