@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     FakeClock,
     MiB,
+    channel_options,
     fetch_all,
     park,
     park_requests,
@@ -23,6 +24,7 @@ from conftest import (
 
 from shared.checksum import crc32c_of
 from shared.pb import kvpark_pb2 as pb
+from shared.pb import kvpark_pb2_grpc as pb_grpc
 
 
 def chunks_of(n: int, size: int = 64 * 1024) -> dict[int, bytes]:
@@ -285,10 +287,18 @@ async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
 
 
 async def test_epoch_mismatch_answered_at_once() -> None:
+    """A Fetch for another producer epoch is refused before it binds: nothing streamed and no
+    waiting, however long the consumer offered to wait."""
     async with running_producer() as server, stub_for(server) as stub:
-        await park(stub, "e", {0: b"e"}, total=1)
-        msgs = await fetch_all(stub, "e", expected_epoch=server.epoch ^ 1)
+        # Chunk 1 missing: a producer that bound first and checked the epoch later would have
+        # something to wait for (and chunk 0 to send), so "at once" is observable.
+        await park(stub, "e", {0: b"e"}, total=2)
+        started = time.monotonic()
+        msgs = await fetch_all(stub, "e", expected_epoch=server.epoch ^ 1, wait_timeout_s=30)
+        elapsed = time.monotonic() - started
         assert len(msgs) == 1 and msgs[0].done.reason == pb.REASON_EPOCH_MISMATCH
+        # max_fetch_wait_s is 10 s in the test settings: an answer that waited would take it.
+        assert elapsed < 2, f"epoch mismatch answered after {elapsed:.3f}s"
         assert (await state_of(stub, "e")).state == pb.STATE_PARKED
 
 
@@ -392,17 +402,76 @@ async def test_server_info_health_and_reflection() -> None:
 
 
 async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
-    async with running_producer(shutdown_grace_s=5) as server, stub_for(server) as stub:
-        await park(stub, "drain", {0: b"d" * 100}, total=2)
-        await park(stub, "parked", {0: b"p"}, total=1)
-        call = stub.Fetch(pb.FetchRequest(kv_request_id="drain", wait_timeout_s=30))
-        assert (await call.read()).chunk.chunk_id == 0
-        shutdown = asyncio.create_task(server.shutdown())
-        await wait_until(lambda: server.lot.statistics().shutting_down)
-        refused = await park(stub, "drain", {1: b"e" * 100})
-        assert refused.reason == pb.REASON_SHUTTING_DOWN
-        # The bound fetch cannot complete (chunk 1 refused): after the grace it is failed.
-        last = await call.read()
-        assert (last.done.status, last.done.reason) == (pb.STATUS_FAILED, pb.REASON_SHUTTING_DOWN)
-        await shutdown
+    """Spec §3 shutdown: a bound Fetch that can finish is served to its end — the producer
+    waits for it, not for the whole grace — and only then is what remains (an id parked but
+    never fetched) failed SHUTTING_DOWN."""
+    grace = 30.0
+    async with running_producer(shutdown_grace_s=grace) as server:
+        # Without BDP probing the fetch's HTTP/2 window stays at 64 KiB, so the producer cannot
+        # push the 8 MiB into the client's buffers (finishing the fetch on its own) while this
+        # test holds the stream: the fetch is still bound when the shutdown begins.
+        options = [*channel_options(), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            stub = pb_grpc.KVProducerStub(channel)
+            data = chunks_of(8, MiB)
+            await park(stub, "drain", data, total=8)
+            await park(stub, "parked", {0: b"p"}, total=1)  # never fetched: "the rest"
+            call = stub.Fetch(pb.FetchRequest(kv_request_id="drain"))
+            assert (await call.read()).chunk.data == data[0]  # bound, streaming
+            started = time.monotonic()
+            shutdown = asyncio.create_task(server.shutdown())
+            await wait_until(
+                lambda: server.lot.statistics().shutting_down and server.lot.bound_count == 1,
+                what="the shutdown to begin with the fetch still bound",
+            )
+            refused = await park(stub, "newcomer", {0: b"n"}, total=1)
+            assert refused.reason == pb.REASON_SHUTTING_DOWN
+            rest = []
+            while (message := await call.read()) is not grpc.aio.EOF:
+                rest.append(message)
+            assert [m.chunk.data for m in rest[:-1]] == [data[c] for c in range(1, 8)]
+            done = rest[-1].done
+            assert done.status == pb.STATUS_OK
+            assert (done.chunks_sent, done.bytes_sent) == (8, sum(map(len, data.values())))
+            assert await call.code() == grpc.StatusCode.OK
+            await asyncio.wait_for(shutdown, grace)
+            elapsed = time.monotonic() - started
+            # Stopped once the drain finished; a shutdown that sat out the grace takes 30 s.
+            assert elapsed < grace / 3, f"shutdown took {elapsed:.3f}s of a {grace}s grace"
+        drained, rest_failed = server.lot.lookup(["drain", "parked"])
+        assert (drained.state, drained.reason) == (
+            pb.STATE_TOMBSTONED,
+            pb.REASON_ALREADY_CONSUMED,
+        )
+        assert (rest_failed.state, rest_failed.reason) == (
+            pb.STATE_TOMBSTONED,
+            pb.REASON_SHUTTING_DOWN,
+        )
         assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
+
+
+async def test_shutdown_fails_a_bound_fetch_that_outlasts_the_grace() -> None:
+    """Spec §3 shutdown: a bound Fetch that cannot finish (its chunk 1 is never parked) is
+    served for the whole grace, not failed at once, then ended with TransferDone{FAILED,
+    SHUTTING_DOWN} and its chunks freed. A short grace keeps the test short."""
+    grace = 0.5
+    async with running_producer(shutdown_grace_s=grace) as server, stub_for(server) as stub:
+        await park(stub, "stuck", {0: b"s" * 100}, total=2)
+        call = stub.Fetch(pb.FetchRequest(kv_request_id="stuck", wait_timeout_s=30))
+        assert (await call.read()).chunk.chunk_id == 0
+        started = time.monotonic()
+        shutdown = asyncio.create_task(server.shutdown())
+        last = await call.read()
+        failed_after = time.monotonic() - started
+        assert (last.done.status, last.done.reason) == (pb.STATUS_FAILED, pb.REASON_SHUTTING_DOWN)
+        assert last.done.chunks_sent == 1
+        # The producer's grace deadline starts after `started`, so a fetch failed by the grace
+        # (and not at once) cannot end sooner; its own 30 s wait would say WAIT_TIMEOUT.
+        assert failed_after >= grace, f"failed {failed_after:.3f}s into a {grace}s grace"
+        assert await call.read() is grpc.aio.EOF
+        await shutdown
+        (stuck,) = server.lot.lookup(["stuck"])
+        assert (stuck.state, stuck.reason) == (pb.STATE_TOMBSTONED, pb.REASON_SHUTTING_DOWN)
+        assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
