@@ -69,9 +69,11 @@ async def test_exit_codes_for_usage_and_unreachable(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exit_:
         cli.main(["fetch", "x"])  # --out is required
     assert exit_.value.code == cli.EXIT_USAGE
-    with pytest.raises(SystemExit):
-        cli.main(["--rpc-timeout", "-1", "info"])
     capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--rpc-timeout", "-1", "info"])
+    assert exit_.value.code == cli.EXIT_USAGE
+    assert "argument --rpc-timeout: expected seconds > 0, got '-1'" in capsys.readouterr().err
 
 
 def test_installed_command_against_a_producer_process(

@@ -3,6 +3,7 @@ fetchable past `unbound_store_timeout_s`; ended ids drop out; the loop stops cle
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -86,11 +87,20 @@ async def test_keep_alive_survives_an_unreachable_producer_and_stops_on_close() 
     from conftest import free_port
 
     client = AsyncKVConsumer(f"127.0.0.1:{free_port()}")
-    ka = client.keep_alive(["x"], interval_s=0.05)
-    async with ka:
+    ka = client.keep_alive(["x"], interval_s=0.05).start()  # no block: only the close stops it
+    (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "kvpark-keepalive"]
+    try:
         await wait_until(lambda: ka.statistics().errors >= 2, what="failed rounds")
         assert ka.last_error is not None  # kept, logged, never raised
-    await client.aclose()
+        assert ka.running  # failed rounds do not end the loop
+        # Closed between rounds: the poll that saw the second error comes before the loop's
+        # 0.05 s wait ends, so its next round meets the closed client and returns.
+        await client.aclose()
+        await wait_until(lambda: not ka.running, what="the loop to stop on close")
+        assert not task.cancelled() and task.exception() is None  # returned, did not crash
+    finally:
+        await ka.stop()
+        await client.aclose()
     with pytest.raises(ClientClosedError):
         client.keep_alive(["x"])
     with pytest.raises(UsageError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -113,23 +115,42 @@ async def test_load_in_requested_order_into_bytearray_and_without_into() -> None
             assert owned.data.tobytes() == joined(chunks)
 
 
-async def test_sync_and_async_share_one_channel_for_many_loads() -> None:
+async def test_sync_and_async_share_one_channel_for_many_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every channel the clients open is counted where they look the factory up (`grpc` and
+    `grpc.aio`): ten concurrent async loads and ten sync loads open one channel per client."""
     async with running_producer() as server, stub_for(server) as stub:
         chunks = payload(2, 1000)
         ids = [f"many-{i}" for i in range(20)]
         for kid in ids:
             await park(stub, kid, chunks, total=2)
+        opened: dict[str, list[str]] = {"sync": [], "async": []}
+
+        def counting(flavour: str, open_channel: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(target: str, *args: Any, **kwargs: Any) -> Any:
+                opened[flavour].append(target)
+                return open_channel(target, *args, **kwargs)
+
+            return counted
+
+        monkeypatch.setattr(grpc, "insecure_channel", counting("sync", grpc.insecure_channel))
+        monkeypatch.setattr(
+            grpc.aio, "insecure_channel", counting("async", grpc.aio.insecure_channel)
+        )
         async with AsyncKVConsumer(server.target) as client:
             import asyncio
 
             results = await asyncio.gather(*(client.load(k, num_chunks=2) for k in ids[:10]))
             assert all(r.ok for r in results)
+        assert opened == {"sync": [], "async": [server.target]}
 
         def sync_loads() -> list[bool]:
             with KVConsumer(server.target) as client:
                 return [client.load(k, num_chunks=2).ok for k in ids[10:]]
 
         assert all(await in_thread(sync_loads))
+        assert opened == {"sync": [server.target], "async": [server.target]}
 
 
 # ------------------------------------------------------------------------- late fetch: REAPED

@@ -60,24 +60,27 @@ def test_timeout_coerce() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"total_s": 0},
-        {"total_s": -1},
-        {"total_s": float("nan")},
-        {"total_s": float("inf")},
-        {"total_s": True},
-        {"total_s": "30"},
-        {"first_chunk_s": 0},
-        {"per_gib_s": -1},
-        {"base_s": 1.0},  # base without per_gib
-        {"base_s": -1.0, "per_gib_s": 1.0},
+        ({"total_s": 0}, "Timeout.total_s: expected finite seconds > 0, got 0"),
+        ({"total_s": -1}, "Timeout.total_s: expected finite seconds > 0, got -1"),
+        ({"total_s": float("nan")}, "Timeout.total_s: expected finite seconds > 0, got nan"),
+        ({"total_s": float("inf")}, "Timeout.total_s: expected finite seconds > 0, got inf"),
+        ({"total_s": True}, "Timeout.total_s: expected seconds as a number, got True"),
+        ({"total_s": "30"}, "Timeout.total_s: expected seconds as a number, got '30'"),
+        ({"first_chunk_s": 0}, "Timeout.first_chunk_s: expected finite seconds > 0, got 0"),
+        ({"per_gib_s": -1}, "Timeout.per_gib_s: expected finite seconds > 0, got -1"),
+        ({"base_s": 1.0}, "Timeout.base_s is only used with per_gib_s"),  # base without per_gib
+        (
+            {"base_s": -1.0, "per_gib_s": 1.0},
+            "Timeout.base_s: expected finite seconds >= 0, got -1.0",
+        ),
     ],
 )
-def test_timeout_rejects_bad_values(kwargs: dict[str, object]) -> None:
+def test_timeout_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError) as err:
         Timeout(**kwargs)  # type: ignore[arg-type]
-    assert isinstance(err.value, ValueError)  # UsageError is also a ValueError and a TypeError
+    assert str(err.value).startswith(message)  # names the bad field and the value it got
 
 
 def test_timeout_coerce_rejects_other_types() -> None:
