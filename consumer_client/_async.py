@@ -34,7 +34,7 @@ from ._core import (
     states_of,
     valid_id,
 )
-from ._errors import error_from_rpc
+from ._errors import error_for, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
@@ -159,6 +159,15 @@ class AsyncKVConsumer(ClientBase):
         except grpc.aio.AioRpcError as exc:
             self._core.note_status(exc.code())
             raise error_from_rpc(exc, method or "GetServerInfo") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller is being cancelled
+            # The call was cancelled under us, by aclose() (or a channel rebuilt after
+            # ServerInfo): an error of ours, not a cancellation of a task nobody cancelled.
+            self._core.check_open()  # closed: ClientClosedError
+            what = method or "GetServerInfo"
+            raise error_for(grpc.StatusCode.CANCELLED, "call cancelled", what) from None
 
     async def server_info(
         self, *, refresh: bool = False, timeout: float | None = DEFAULT_RPC_TIMEOUT_S

@@ -96,12 +96,17 @@ class KVConsumer(ClientBase):
 
     # ---------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Closes the channel; in-flight loads end CANCELLED. Idempotent."""
-        with self._lock:
-            self._core.closed = True
-            channel, self._channel = self._channel, None
+        """Closes the channel; in-flight loads end CANCELLED, other calls ClientClosedError.
+        Idempotent, and prompt: a first contact in progress (which holds the lock) is cut
+        short with the channel rather than waited for."""
+        self._core.closed = True  # from here on no call opens a channel
+        channel = self._channel
         if channel is not None:
             channel.close()
+        with self._lock:  # the contact, if one ran, has ended by now
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()  # grpc's close is idempotent
 
     def __enter__(self) -> KVConsumer:
         self._core.check_open()
@@ -158,6 +163,8 @@ class KVConsumer(ClientBase):
                 return None
             return getattr(stub, method)(request, timeout=timeout, metadata=self._core.metadata)
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                self._core.check_open()  # cancelled by close(): ClientClosedError
             self._core.note_status(exc.code())
             raise error_from_rpc(exc, method or "GetServerInfo") from None
 

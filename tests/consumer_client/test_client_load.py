@@ -37,6 +37,7 @@ from consumer_client import (
     AsyncKVConsumer,
     AuthError,
     BufferTooSmallError,
+    ClientClosedError,
     KVConsumer,
     LoadPath,
     Reason,
@@ -416,6 +417,65 @@ async def test_closing_the_client_mid_load_ends_it_cancelled() -> None:
         result = await task
         assert result.reason is Reason.CANCELLED
         await wait_until(lambda: server.lot.bound_count == 0, what="the demand to be dropped")
+
+
+@pytest.mark.parametrize("end", ["client closed", "caller cancelled"])
+async def test_a_unary_call_cut_short_is_closed_or_cancelled_never_confused(end: str) -> None:
+    """A Lookup in flight when the client closes raises ClientClosedError, not a CancelledError
+    in a task nobody cancelled (grpc.aio cancels a closing channel's calls); cancelling the
+    caller's own task still propagates as a cancellation."""
+    import asyncio
+    import select
+    import socket
+
+    # A peer that takes the connection and never speaks HTTP/2: the call stays in flight.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        client = AsyncKVConsumer(f"127.0.0.1:{silent.getsockname()[1]}")
+        try:
+            task = asyncio.create_task(client.lookup(["x"], timeout=30))
+            await wait_until(
+                lambda: select.select([silent], [], [], 0)[0], what="the client to connect"
+            )
+            if end == "client closed":
+                await client.aclose()
+                with pytest.raises(ClientClosedError):
+                    await task
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        finally:
+            await client.aclose()
+
+
+def test_sync_unary_call_cut_short_by_close_raises_client_closed() -> None:
+    import select
+    import socket
+    import threading
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        client = KVConsumer(f"127.0.0.1:{silent.getsockname()[1]}")
+        outcome: list[BaseException] = []
+
+        def lookup() -> None:
+            try:
+                client.lookup(["x"], timeout=30)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=lookup)
+        caller.start()
+        deadline = time.monotonic() + 10
+        while not select.select([silent], [], [], 0.05)[0]:
+            assert time.monotonic() < deadline, "the client never connected"
+        client.close()
+        caller.join(10)
+        assert not caller.is_alive()
+        assert [type(e) for e in outcome] == [ClientClosedError], outcome
 
 
 async def test_cancelling_the_callers_task_cancels_the_fetch() -> None:
