@@ -22,6 +22,7 @@ from conftest import (
     running_producer,
     state_of,
     stub_for,
+    wait_for,
     wait_until,
 )
 from consumer_support import (
@@ -469,9 +470,7 @@ def test_sync_unary_call_cut_short_by_close_raises_client_closed() -> None:
 
         caller = threading.Thread(target=lookup)
         caller.start()
-        deadline = time.monotonic() + 10
-        while not select.select([silent], [], [], 0.05)[0]:
-            assert time.monotonic() < deadline, "the client never connected"
+        wait_for(lambda: select.select([silent], [], [], 0)[0], what="the client to connect")
         client.close()
         caller.join(10)
         assert not caller.is_alive()
