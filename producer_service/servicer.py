@@ -100,6 +100,12 @@ class KVProducerServicer:
                     if refused.late:
                         self._warn_late("late_park", kid, refused, context)
                     return self._park_failed(refused)
+            # A client that went away (cancel, deadline, crash) ends the request stream just
+            # like one that finished, and grpc.aio cancels this task a loop turn later: give it
+            # that turn and look, so a cut-off batch is undone below instead of committed.
+            await asyncio.sleep(0)
+            if context.cancelled():
+                raise asyncio.CancelledError
             done = self._lot.finish_park(batch)
         finally:
             # Cancelled, aborted or crashed mid-stream: the batch is undone (all-or-nothing).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -266,6 +267,35 @@ async def test_pool_full_with_retry_after_and_too_large() -> None:
             await fetch_all(stub, "a")
             ok = await park(stub, "c", {0: b"c" * MiB, 1: b"d" * (2 * MiB)}, total=2)
             assert ok.status == pb.STATUS_OK
+
+
+@pytest.mark.parametrize("cut", ["cancel", "deadline"])
+async def test_park_cut_off_mid_batch_is_undone_not_committed(cut: str) -> None:
+    """A prefill that goes away mid-batch (cancel, deadline, crash) leaves nothing behind: the
+    batch is all-or-nothing, so its two stored chunks are freed and the id stays unknown —
+    not PARKED half-filled, holding memory for a lease and refusing a retry's other bytes."""
+    async with running_producer() as server, stub_for(server) as stub:
+        hold = asyncio.Event()
+
+        async def upload() -> Any:
+            for message in park_requests("cut", chunks_of(2, 256 * 1024), total=4):
+                yield message
+            await hold.wait()  # chunks 2 and 3 never come
+
+        call = stub.Park(upload(), timeout=1.0 if cut == "deadline" else None)
+        await wait_until(
+            lambda: server.lot.lookup(["cut"])[0].chunks_parked == 2, what="two chunks stored"
+        )
+        if cut == "cancel":
+            call.cancel()
+        with pytest.raises((asyncio.CancelledError, grpc.aio.AioRpcError)):
+            await call
+        await wait_until(
+            lambda: server.pool.statistics().used_bytes == 0, what="the cut-off batch undone"
+        )
+        assert (await state_of(stub, "cut")).state == pb.STATE_UNKNOWN
+        hold.set()
+        server.lot.check_invariants()
 
 
 async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
