@@ -130,6 +130,10 @@ class ParkBatch:
     entry: _Entry
     reservation: Reservation | None
     stored_ids: list[int] = field(default_factory=list)
+    # Chunks this batch sent again with identical bytes while another open batch of the id
+    # owned them: it relies on them, so their owner's failure hands them to it (not frees them)
+    # and its own success commits them.
+    matched_ids: list[int] = field(default_factory=list)
     chunks_received: int = 0
     failed: Refusal | None = None
     done: bool = False
@@ -316,6 +320,7 @@ class Lot:
         existing = entry.chunks.get(chunk_id)
         if existing is not None:
             if existing.crc32c == actual and self.pool.equals(existing.handle, data):
+                batch.matched_ids.append(chunk_id)
                 return None  # the same bytes again: idempotent
             return self._fail_batch(
                 batch, Refusal(CHUNK_CONFLICT, f"chunk {chunk_id} was parked with other bytes")
@@ -348,8 +353,13 @@ class Lot:
             return batch.consumed
         if batch.failed is not None:
             return batch.failed
-        self._close_batch(batch)
         entry = batch.entry
+        if batch.matched_ids:  # acknowledged now: no other open batch may undo them any more
+            matched = set(batch.matched_ids)
+            for other in entry.open_batches:
+                if other is not batch:
+                    other.stored_ids = [c for c in other.stored_ids if c not in matched]
+        self._close_batch(batch)
         if not entry.chunks:
             self._drop_if_idle(entry)
         return ParkDone(len(entry.chunks), self._lease_remaining(entry, self.clock()))
@@ -362,6 +372,14 @@ class Lot:
     def _fail_batch(self, batch: ParkBatch, refusal: Refusal) -> Refusal:
         entry = batch.entry
         for chunk_id in batch.stored_ids:
+            heir = next(
+                (b for b in entry.open_batches if b is not batch and chunk_id in b.matched_ids),
+                None,
+            )
+            if heir is not None:  # another open batch sent the same bytes: the chunk is its now
+                heir.matched_ids.remove(chunk_id)
+                heir.stored_ids.append(chunk_id)
+                continue
             stored = entry.chunks.pop(chunk_id, None)
             if stored is not None:
                 self._free_chunk(entry, stored)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -257,6 +258,45 @@ def test_later_batches_add_chunks_to_the_same_id(rig: Rig) -> None:
     status = rig.state("multi")
     assert (status.chunks_parked, status.total_chunks) == (3, 3)
     assert status.nbytes == 3 * len(blob("multi", 0))
+
+
+def test_an_acknowledged_retry_keeps_its_chunks_when_the_first_attempt_fails(rig: Rig) -> None:
+    """Two batches of one id (a retry or a hedge) send the same bytes: the second finishes OK
+    while the first, which stored them, is still open. The first then fails (a bad CRC): what
+    the second was acknowledged for stays parked."""
+    first = rig.begin("hedge", total=2)
+    for cid in (0, 1):
+        rig.chunk(first, cid, blob("hedge", cid))
+    second = rig.begin("hedge", total=2)
+    for cid in (0, 1):
+        rig.chunk(second, cid, blob("hedge", cid))  # identical: idempotent
+    assert rig.lot.finish_park(second) == ParkDone(2, 60.0)
+    assert_refused(rig.lot.park_chunk(first, 1, memoryview(b"x"), 1), CHECKSUM_MISMATCH)
+    sent, _ = rig.drain(rig.bound("hedge"))
+    assert sent == [(0, blob("hedge", 0)), (1, blob("hedge", 1))]
+
+
+def test_a_failing_batch_hands_chunks_to_an_open_batch_that_sent_them_too(rig: Rig) -> None:
+    """The same two batches, the other way round: the first fails while the second is still
+    open; the chunks pass to the second, which stands or falls with them."""
+    first = rig.begin("hedge", total=2)
+    rig.chunk(first, 0, blob("hedge", 0))
+    second = rig.begin("hedge", total=2)
+    rig.chunk(second, 0, blob("hedge", 0))  # identical: relies on the first's copy
+    rig.lot.abort_park(first)  # the first attempt's client went away
+    assert rig.state("hedge").chunks_parked == 1
+    rig.chunk(second, 1, blob("hedge", 1))
+    assert rig.lot.finish_park(second) == ParkDone(2, 60.0)
+    sent, _ = rig.drain(rig.bound("hedge"))
+    assert [cid for cid, _ in sent] == [0, 1]
+    # And had the second failed as well, nothing would be left of the id.
+    third = rig.begin("other", total=2)
+    rig.chunk(third, 0, blob("other", 0))
+    fourth = rig.begin("other", total=2)
+    rig.chunk(fourth, 0, blob("other", 0))
+    rig.lot.abort_park(third)
+    rig.lot.abort_park(fourth)
+    assert rig.state("other").state == pb.STATE_UNKNOWN
 
 
 # === leases and the reaper =====================================================================
@@ -1083,6 +1123,17 @@ def sometimes(one_in: int) -> st.SearchStrategy[bool]:
     return st.sampled_from([False] * (one_in - 1) + [True])
 
 
+@dataclass
+class ModelBatch:
+    """The model's view of one Park batch: chunks it newly stored, and chunks it sent again
+    with the bytes already held (it relies on those too)."""
+
+    kid: str
+    batch: ParkBatch
+    new: set[int] = field(default_factory=set)
+    matched: set[int] = field(default_factory=set)
+
+
 class LotMachine(RuleBasedStateMachine):
     """Random park / open batch / fetch / next / wait expiry / cancel / release / keepalive /
     clock / reap / shutdown steps. After every step the lot's own invariants hold and the
@@ -1105,17 +1156,16 @@ class LotMachine(RuleBasedStateMachine):
         self.lot = self.rig.lot
         # id -> chunk_id -> the bytes the lot holds for it (live ids only).
         self.expected: dict[str, dict[int, bytes]] = {}
-        # open batches: (id, batch, chunk_ids this batch newly stored)
-        self.batches: list[tuple[str, ParkBatch, set[int]]] = []
+        # batches left open across rules (the `park_batch` rule's own batch never is)
+        self.batches: list[ModelBatch] = []
         # id -> (binding, chunk_ids already received)
         self.fetches: dict[str, tuple[FetchBinding, list[int]]] = {}
         self.woken: set[str] = set()  # ids whose Fetch was notified
         self.waiting: set[str] = set()  # ids whose Fetch was last told FetchWait
 
     # --- park ---------------------------------------------------------------------------
-    def _park_chunk(
-        self, kid: str, batch: ParkBatch, new: set[int], cid: int, variant: int, bad_crc: bool
-    ) -> Refusal | None:
+    def _park_chunk(self, mb: ModelBatch, cid: int, variant: int, bad_crc: bool) -> Refusal | None:
+        kid, batch = mb.kid, mb.batch
         data = blob(kid, cid, SIZES[cid] + variant, variant)
         crc = crc32c_of(data) ^ 1 if bad_crc else crc32c_of(data)
         held = self.expected.get(kid, {}).get(cid)
@@ -1125,10 +1175,12 @@ class LotMachine(RuleBasedStateMachine):
             assert held is None or held == data, "a conflicting chunk was accepted"
             if held is None:
                 self.expected.setdefault(kid, {})[cid] = data
-                new.add(cid)
+                mb.new.add(cid)
+            else:
+                mb.matched.add(cid)  # relies on a copy some batch (maybe still open) stored
             self._serve_woken()
         else:
-            self._undo(kid, new)
+            self._undo(mb)
             if ended:
                 assert refused is batch.failed
             elif bad_crc:
@@ -1137,10 +1189,26 @@ class LotMachine(RuleBasedStateMachine):
                 assert refused.reason == CHUNK_CONFLICT
         return refused
 
-    def _undo(self, kid: str, new: set[int]) -> None:
-        for cid in new:
-            self.expected.get(kid, {}).pop(cid, None)
-        new.clear()
+    def _undo(self, mb: ModelBatch) -> None:
+        """A batch failed: what it stored goes, except chunks another open batch of the id
+        sent again identically, which pass to the first such batch."""
+        for cid in mb.new:
+            heir = next(
+                (o for o in self.batches if o is not mb and o.kid == mb.kid and cid in o.matched),
+                None,
+            )
+            if heir is not None:
+                heir.matched.discard(cid)
+                heir.new.add(cid)
+            else:
+                self.expected.get(mb.kid, {}).pop(cid, None)
+        mb.new.clear()
+
+    def _commit(self, mb: ModelBatch) -> None:
+        """A batch succeeded: the chunks it relied on are no other open batch's to undo."""
+        for other in self.batches:
+            if other is not mb and other.kid == mb.kid:
+                other.new -= mb.matched
 
     # Parks and Fetches draw their arguments inside: Hypothesis favours rules with fewer
     # arguments, and these are the ones the machine should run most.
@@ -1155,19 +1223,21 @@ class LotMachine(RuleBasedStateMachine):
         opened = self.lot.begin_park(kid, total, batch_bytes)
         if isinstance(opened, Refusal):
             return
-        new: set[int] = set()
+        mb = ModelBatch(kid, opened)
         for cid, variant, bad in chunks:
-            if self._park_chunk(kid, opened, new, cid, variant, bad) is not None:
+            if self._park_chunk(mb, cid, variant, bad) is not None:
                 return
         if isinstance(self.lot.finish_park(opened), Refusal):
-            self._undo(kid, new)
+            self._undo(mb)
+        else:
+            self._commit(mb)
         self._serve_woken()
 
     @rule(kid=st.sampled_from(IDS), batch_bytes=st.sampled_from([0, 6 * PAGE]))
     def open_batch(self, kid: str, batch_bytes: int) -> None:
         opened = self.lot.begin_park(kid, 4, batch_bytes)
         if isinstance(opened, ParkBatch):
-            self.batches.append((kid, opened, set()))
+            self.batches.append(ModelBatch(kid, opened))
 
     @precondition(lambda self: self.batches)
     @rule(data=st.data(), cid=CHUNK_IDS, variant=VARIANTS, bad_crc=BAD_CRC)
@@ -1175,19 +1245,20 @@ class LotMachine(RuleBasedStateMachine):
         self, data: st.DataObject, cid: int, variant: int, bad_crc: bool
     ) -> None:
         index = data.draw(st.integers(0, len(self.batches) - 1))
-        kid, batch, new = self.batches[index]
-        if self._park_chunk(kid, batch, new, cid, variant, bad_crc) is not None:
+        if self._park_chunk(self.batches[index], cid, variant, bad_crc) is not None:
             del self.batches[index]
 
     @precondition(lambda self: self.batches)
     @rule(data=st.data(), abort=st.booleans())
     def end_open_batch(self, data: st.DataObject, abort: bool) -> None:
-        kid, batch, new = self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1)))
+        mb = self.batches.pop(data.draw(st.integers(0, len(self.batches) - 1)))
         if abort:
-            self.lot.abort_park(batch)
-            self._undo(kid, new)
-        elif isinstance(self.lot.finish_park(batch), Refusal):
-            self._undo(kid, new)
+            self.lot.abort_park(mb.batch)
+            self._undo(mb)
+        elif isinstance(self.lot.finish_park(mb.batch), Refusal):
+            self._undo(mb)
+        else:
+            self._commit(mb)
         self._serve_woken()
 
     # --- fetch ----------------------------------------------------------------------------
@@ -1307,9 +1378,10 @@ class LotMachine(RuleBasedStateMachine):
             status = self.rig.state(kid)
             if status.state not in (pb.STATE_PARKED, pb.STATE_BOUND):
                 self.expected.pop(kid, None)  # the id ended: a new life starts empty
-                for batch_kid, _, new in self.batches:
-                    if batch_kid == kid:
-                        new.clear()
+                for mb in self.batches:
+                    if mb.kid == kid:
+                        mb.new.clear()
+                        mb.matched.clear()
                 continue
             held = self.expected.get(kid, {})
             assert status.chunks_parked == len(held), (kid, status, sorted(held))
