@@ -272,5 +272,6 @@ class AsyncKeepAlive(_KeepAliveBase):
                 return
             except KVParkError as exc:
                 state.record_error(exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), state.interval(self._client.info))
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancel (3.11)
+                async with asyncio.timeout(state.interval(self._client.info)):
+                    await self._stop.wait()

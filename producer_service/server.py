@@ -211,17 +211,24 @@ class ProducerServer:
         interval = self.config.reap_interval_s
         clock = self.lot.clock
         while True:
-            reaped = self.lot.reap()
-            if reaped:
-                log.info("reaped", extra={"kv": {"ids": len(reaped)}})
-            if self.idle_trim.due(self._data_activity(), busy=self.lot.bound_count > 0):
-                # In a thread: malloc_trim takes ~15 ms, a late Fetch must not wait for it.
-                await asyncio.to_thread(self.idle_trim.trim)
+            try:
+                reaped = self.lot.reap()
+                if reaped:
+                    log.info("reaped", extra={"kv": {"ids": len(reaped)}})
+                if self.idle_trim.due(self._data_activity(), busy=self.lot.bound_count > 0):
+                    # In a thread: malloc_trim takes ~15 ms, a late Fetch must not wait for it.
+                    await asyncio.to_thread(self.idle_trim.trim)
+            except Exception:
+                # A bug in one pass must not end reaping for good (leases would never expire
+                # again and the pool would fill): say so loudly and try again next interval.
+                log.exception("reaper pass failed")
             nxt = self.lot.next_lease_deadline()
             delay = interval if nxt is None else min(interval, max(0.0, nxt - clock()))
             self._reap_now.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the shutdown's cancel.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reap_now.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._reap_now.wait()
 
     def _data_activity(self) -> tuple[int, ...]:
         """Changes whenever chunks are parked, delivered, released or reaped, or a declared

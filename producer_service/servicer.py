@@ -165,7 +165,11 @@ class KVProducerServicer:
                     await context.write(frame)
                 elif isinstance(step, FetchWait):
                     try:
-                        await asyncio.wait_for(wakeup.wait(), max(0.0, step.deadline - clock()))
+                        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel
+                        # that lands in the same turn as the wakeup, leaving the id BOUND to a
+                        # consumer that is gone until the wait runs out.
+                        async with asyncio.timeout(max(0.0, step.deadline - clock())):
+                            await wakeup.wait()
                     except TimeoutError:
                         return self._fetch_done(self._lot.fetch_wait_expired(binding), started)
                 else:

@@ -298,6 +298,35 @@ async def test_park_cut_off_mid_batch_is_undone_not_committed(cut: str) -> None:
         server.lot.check_invariants()
 
 
+async def test_a_failing_reaper_pass_is_logged_and_reaping_goes_on(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pass that raises (a bug) must not end reaping for good: leases would never
+    expire again and the pool would fill."""
+    clock = FakeClock()
+    async with (
+        running_producer(clock=clock, unbound_store_timeout_s=5) as server,
+        stub_for(server) as stub,
+    ):
+        real_reap = server.lot.reap
+        failed: list[str] = []
+
+        def reap_failing_once() -> list[str]:
+            if not failed:
+                failed.append("injected")
+                raise RuntimeError("injected reaper failure")
+            return real_reap()
+
+        monkeypatch.setattr(server.lot, "reap", reap_failing_once)
+        server.reap_soon()
+        await wait_until(lambda: failed, what="the failing pass")
+        await park(stub, "later", {0: b"l"}, total=1)
+        clock.advance(6)
+        server.reap_soon()
+        await wait_until(lambda: server.lot.statistics().reaped_total == 1, what="a later reap")
+        assert "reaper pass failed" in caplog.text
+
+
 async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
     async with running_producer() as server, stub_for(server) as stub:
         await park(stub, "x", {0: b"same"}, total=3)
