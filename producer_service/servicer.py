@@ -140,6 +140,13 @@ class KVProducerServicer:
         wait_s = request.wait_timeout_s
         if not math.isfinite(wait_s) or wait_s < 0:
             await _invalid(context, f"wait_timeout_s must be >= 0 and finite, got {wait_s!r}")
+        # Every chunk takes at least one pool page, so a longer list can never be served; it is
+        # refused before it is copied (millions of ids would stall the loop and hold memory).
+        most = self._lot.pool.total_pages
+        if len(request.chunk_ids) > most:
+            await _invalid(
+                context, f"{len(request.chunk_ids)} chunk_ids, more than the pool can hold ({most})"
+            )
         wakeup = asyncio.Event()
         try:
             bound = self._lot.bind_fetch(
@@ -262,11 +269,11 @@ async def _valid_id(context: Any, kid: str) -> str:
 
 
 async def _valid_ids(context: Any, raw_ids: Any) -> list[str]:
-    ids: list[str] = list(raw_ids)
-    if not ids:
+    if not raw_ids:
         await _invalid(context, "kv_request_ids is empty")
-    if len(ids) > MAX_IDS_PER_CALL:
-        await _invalid(context, f"{len(ids)} ids in one call, at most {MAX_IDS_PER_CALL}")
+    if len(raw_ids) > MAX_IDS_PER_CALL:  # before copying: a huge list must cost nothing
+        await _invalid(context, f"{len(raw_ids)} ids in one call, at most {MAX_IDS_PER_CALL}")
+    ids: list[str] = list(raw_ids)
     for kid in ids:
         await _valid_id(context, kid)
     return ids

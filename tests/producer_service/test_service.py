@@ -423,6 +423,8 @@ async def test_malformed_fetch_keepalive_lookup_release_are_invalid_argument() -
             (stub.KeepAlive, pb.KeepAliveRequest(kv_request_ids=["m"], extend_s=-2), "extend_s"),
             (stub.KeepAlive, pb.KeepAliveRequest(kv_request_ids=["\x00"]), "control"),
             (stub.Lookup, pb.LookupRequest(kv_request_ids=["ok"] * 10_001), "at most"),
+            # More chunk ids than the pool has pages (64 MiB / 256 KiB): can never be served.
+            (stub.Fetch, pb.FetchRequest(kv_request_id="n", chunk_ids=range(257)), "can hold"),
             (stub.Release, pb.ReleaseRequest(kv_request_id="\x7f"), "control"),
         ]
         for method, request, message in cases:
