@@ -364,6 +364,14 @@ class Lot:
             self._drop_if_idle(entry)
         return ParkDone(len(entry.chunks), self._lease_remaining(entry, self.clock()))
 
+    def expire_park(self, batch: ParkBatch, idle_s: float) -> Refusal:
+        """Undoes a batch whose stream sent nothing for `idle_s`: a stuck uploader must not
+        hold its reservation and chunks for ever (no lease runs while a batch is open)."""
+        if batch.failed is not None:
+            return batch.failed
+        detail = f"Park batch sent nothing for {idle_s:g}s (unbound_store_timeout_s); undone"
+        return self._fail_batch(batch, Refusal(REAPED, detail))
+
     def abort_park(self, batch: ParkBatch) -> None:
         """Undoes a batch whose stream broke (cancel, malformed message): all-or-nothing."""
         if batch.failed is None and not batch.done:

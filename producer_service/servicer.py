@@ -75,8 +75,18 @@ class KVProducerServicer:
                 self._warn_late("late_park", kid, opened, context)
             return self._park_failed(opened)
         batch: ParkBatch = opened
+        # A stream that goes quiet for as long as a lease is stuck: its batch is undone then,
+        # rather than holding its reserved pages while the client lives on without sending.
+        idle_s = self._lot.settings.unbound_store_timeout_s
         try:
-            async for raw in requests:
+            while True:
+                try:
+                    async with asyncio.timeout(idle_s):
+                        raw = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    return self._park_failed(self._lot.expire_park(batch, idle_s))
                 message = await _parse_park(context, raw)
                 if not isinstance(message, wire.ChunkView):
                     self._lot.abort_park(batch)

@@ -327,6 +327,29 @@ async def test_a_failing_reaper_pass_is_logged_and_reaping_goes_on(
         assert "reaper pass failed" in caplog.text
 
 
+async def test_a_park_stream_that_goes_quiet_is_undone_after_a_lease() -> None:
+    """A prefill client that stays connected but stops sending (stuck) would otherwise hold its
+    reserved pages for ever, since no lease runs while a batch is open: after
+    unbound_store_timeout_s of silence the batch is undone and the call answered."""
+    async with running_producer(unbound_store_timeout_s=0.5) as server, stub_for(server) as stub:
+        hold = asyncio.Event()
+
+        async def upload() -> Any:
+            # A header that reserves 4 MiB and no chunk: no chunk, so no lease and no reaper.
+            for message in park_requests("quiet", {}, total=4, batch_bytes=4 * MiB):
+                yield message
+            await hold.wait()  # connected, silent
+
+        reply = await asyncio.wait_for(stub.Park(upload()), 10)
+        hold.set()
+        assert (reply.status, reply.reason) == (pb.STATUS_FAILED, pb.REASON_REAPED)
+        assert "sent nothing for 0.5s" in reply.detail
+        pool = server.pool.statistics()
+        assert (pool.used_bytes, pool.reservations_open) == (0, 0)
+        assert (await state_of(stub, "quiet")).state == pb.STATE_UNKNOWN
+        server.lot.check_invariants()
+
+
 async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
     async with running_producer() as server, stub_for(server) as stub:
         await park(stub, "x", {0: b"same"}, total=3)
