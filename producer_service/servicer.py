@@ -114,7 +114,8 @@ class KVProducerServicer:
             # like one that finished, and grpc.aio cancels this task a loop turn later: give it
             # that turn and look, so a cut-off batch is undone below instead of committed.
             await asyncio.sleep(0)
-            if context.cancelled():
+            remaining = context.time_remaining()  # None without a deadline
+            if context.cancelled() or (remaining is not None and remaining <= 0):
                 raise asyncio.CancelledError
             done = self._lot.finish_park(batch)
         finally:
