@@ -25,7 +25,7 @@ RUN python -m venv /opt/kvpark \
 COPY . /src
 RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation -w /tmp/wheels /src \
  && /opt/kvpark/bin/pip install --no-cache-dir --no-deps /tmp/wheels/*.whl \
- && /opt/kvpark/bin/python -c "import producer_service, consumer_client, shared.pb" \
+ && /opt/kvpark/bin/python -c "import kvpark, kvpark.producer, kvpark.client, kvpark.pb" \
  && mkdir -p /src/examples /src/protos
 
 FROM ${BASE_IMAGE}
@@ -55,5 +55,5 @@ WORKDIR /home/kvpark
 # 50051: gRPC (KVProducer, grpc.health.v1, reflection); 9400: Prometheus /metrics
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-m", "producer_service.healthcheck", "--timeout", "3"]
+    CMD ["python", "-m", "kvpark.producer.healthcheck", "--timeout", "3"]
 CMD ["kvpark-producer", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400"]

@@ -5,7 +5,7 @@ fetch into a preallocated numpy array, every byte verified) through four set-ups
 repetition by repetition so they share the machine's conditions:
 
     shipped    allocator fix in both processes, hand framing on the data path (identity
-               (de)serializers + shared.wire on both sides), 4 MiB chunks
+               (de)serializers + kvpark.wire on both sides), 4 MiB chunks
     no-alloc   the same without the allocator fix, in both processes (lever 1)
     protobuf   generated message classes on the data path, both sides (lever 2): the producer's
                Park/Fetch registered with the generated (de)serializers, the client using the
@@ -49,12 +49,12 @@ _POOL_BYTES = {"shipped": 5 * GiB // 2, "no-alloc": 1 * GiB, "protobuf": 1 * GiB
 # ============================================================================== producer side
 def producer_main(variant: str, flags: Sequence[str]) -> int:
     """Runs the real producer with `variant` applied."""
-    import producer_service.__main__ as entry
+    import kvpark.producer.__main__ as entry
 
     if variant == "no-alloc":
         entry.tune_allocator = lambda: False  # type: ignore[attr-defined]
     elif variant == "protobuf":
-        import producer_service.server as server
+        import kvpark.producer.server as server
 
         server.method_handlers = _protobuf_handlers  # type: ignore[attr-defined]
     elif variant != "shipped":
@@ -69,8 +69,8 @@ def _protobuf_handlers(servicer: Any) -> Any:
     messages are turned back into the frames it handles."""
     import grpc
 
-    from producer_service.servicer import SERVICE_NAME
-    from shared.pb import kvpark_pb2 as pb
+    from kvpark.pb import kvpark_pb2 as pb
+    from kvpark.producer.servicer import SERVICE_NAME
 
     async def park(requests: AsyncIterator[Any], context: Any) -> Any:
         async def frames() -> AsyncIterator[bytes]:
@@ -128,9 +128,9 @@ def client_main(windows: int, allocator_fix: bool) -> int:
     """Answers `run VARIANT TARGET PRODUCER_PID WINDOW KID` lines with one JSON line each."""
     import grpc
 
-    from shared.alloc import tune_allocator
-    from shared.pb import kvpark_pb2 as pb
-    from shared.pb import kvpark_pb2_grpc as pb_grpc
+    from kvpark.alloc import tune_allocator
+    from kvpark.pb import kvpark_pb2 as pb
+    from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
     from .clients import LOAD_TIMEOUT_S, MAX_MESSAGE_BYTES, ConsumerLoader, Parker, zeroed
     from .env import channel_options
@@ -187,7 +187,7 @@ def _pb_park(pb: Any, kid: str, payload: data.U8, chunk: int, crcs: list[int]) -
 
 
 def _pb_fetch(pb: Any, stub: Any, kid: str, dest: data.U8) -> bool:
-    from shared.checksum import crc32c_of
+    from kvpark.checksum import crc32c_of
 
     view = memoryview(dest)  # type: ignore[arg-type]
     pos = 0
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path)
     ns = parser.parse_args(args)
-    from shared.alloc import tune_allocator
+    from kvpark.alloc import tune_allocator
 
     tune_allocator()
     started = time.monotonic()

@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))  # exits 2
-    from shared.alloc import tune_allocator
+    from kvpark.alloc import tune_allocator
 
     from .cli import Progress
 

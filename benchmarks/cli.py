@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shared.alloc import tune_allocator
+from kvpark.alloc import tune_allocator
 
 from . import data
 from .clients import AsyncConsumerBatch, Loader, Parker, consumer_available, make_loader
@@ -341,7 +341,7 @@ class Env:
         windows = max(plan.reps * len(plan.chunk_sizes), plan.rounds + 2)
         progress(f"building the {plan.nbytes / 1e6:.0f} MB pattern")
         self.source = data.pattern(data.source_size(plan.nbytes, windows))
-        progress("starting the producer (python -m producer_service)")
+        progress("starting the producer (python -m kvpark.producer)")
         self.producer = ProducerProcess(DATA_PRODUCER)
         self.consumer = plan.loader == "consumer" and consumer_available()
         self.parker = Parker(self.producer.target)
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def register(commands: Any) -> None:
     """`kvpark bench`: adds the benchmark to the `kvpark` CLI (consumer_client.cli plugin)."""
-    from consumer_client.cli import Command
+    from kvpark.client.cli import Command
 
     def run(args: argparse.Namespace) -> int:
         try:
@@ -561,8 +561,8 @@ def _meta(plan: Plan, allocator: bool) -> dict[str, Any]:
 
     import numpy
 
-    from shared.checksum import HARDWARE_ACCELERATED
-    from shared.version import __version__
+    from kvpark.checksum import HARDWARE_ACCELERATED
+    from kvpark.version import __version__
 
     def pkg(name: str) -> str:
         try:

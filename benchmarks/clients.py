@@ -1,13 +1,13 @@
 """The benchmark's clients: a raw Park uploader, and loaders for Fetch.
 
 Park: the prefill side has no client library in this repository, so the benchmark uploads the
-way a careful prefill worker would — `ParkRequest` frames built by `shared.wire` (byte-identical
+way a careful prefill worker would — `ParkRequest` frames built by `kvpark.wire` (byte-identical
 to the generated stubs, performance-notes.md lever 2) sent on a method registered with an
 identity serializer, one declared batch (`batch_bytes`, `total_chunks`) per id.
 
 Fetch: `ConsumerLoader` is the product — `consumer_client.KVConsumer.load(..., into=<numpy
 array>)`. `RawLoader` is a minimal stand-in with the same shape (frames parsed by
-`shared.wire`, CRC32C checked, one copy into the caller's array) used only when
+`kvpark.wire`, CRC32C checked, one copy into the caller's array) used only when
 `consumer_client` is not importable; the report says which one ran.
 """
 
@@ -22,10 +22,11 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from shared import wire
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+import kvpark.client
+from kvpark import wire
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 from .data import U8
 from .env import MiB, channel_options
@@ -129,7 +130,7 @@ class RawLoader:
         self._fetch = self._channel.unary_stream(
             _SERVICE + "Fetch",
             request_serializer=pb.FetchRequest.SerializeToString,
-            response_deserializer=None,  # raw frames, parsed by shared.wire
+            response_deserializer=None,  # raw frames, parsed by kvpark.wire
         )
 
     def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
@@ -163,10 +164,9 @@ class ConsumerLoader:
     name = "consumer_client.KVConsumer"
 
     def __init__(self, target: str, client: Any = None) -> None:
-        import consumer_client
 
         self._owned = client is None
-        self._client: Any = client or consumer_client.KVConsumer(target, timeout=LOAD_TIMEOUT_S)
+        self._client: Any = client or kvpark.client.KVConsumer(target, timeout=LOAD_TIMEOUT_S)
         self._client.server_info()  # first contact now, not inside the first timed load
 
     def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
@@ -204,9 +204,8 @@ class AsyncConsumerBatch:
     async def _load_all(
         self, kids: Sequence[str], num_chunks: Sequence[int], intos: Sequence[U8], timeout: float
     ) -> tuple[list[Loaded], float]:
-        import consumer_client
 
-        async with consumer_client.AsyncKVConsumer(self._target, timeout=LOAD_TIMEOUT_S) as client:
+        async with kvpark.client.AsyncKVConsumer(self._target, timeout=LOAD_TIMEOUT_S) as client:
             await client.server_info()
 
             async def one(i: int) -> Loaded:
@@ -229,7 +228,7 @@ class AsyncConsumerBatch:
 
 def consumer_available() -> bool:
     try:
-        import consumer_client
+        import kvpark.client as consumer_client
     except ImportError:
         return False
     return hasattr(consumer_client, "KVConsumer")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from shared.checksum import crc32c_of
+from kvpark.checksum import crc32c_of
 
 from .report import VerificationError
 

@@ -4,9 +4,9 @@ Every process of a run — the producer, the raw-TCP peer, the late-fetch prober
 — runs with the glibc allocator fix of performance-notes.md (lever 1): multi-MiB buffers stay
 on the heap instead of being fresh `mmap`s that page-fault on every message. Child processes
 get it through the environment (`MALLOC_*_`, read by glibc at start-up; the producer also calls
-`mallopt` itself); this process, already running, gets it from `shared.alloc.tune_allocator`.
+`mallopt` itself); this process, already running, gets it from `kvpark.alloc.tune_allocator`.
 
-The producer is a separate process started with `python -m producer_service`, exactly as it is
+The producer is a separate process started with `python -m kvpark.producer`, exactly as it is
 deployed, on a free loopback port with metrics disabled; `ProducerProcess` owns it and stops it
 (SIGTERM, then SIGKILL after a grace) — only the process it started.
 """
@@ -28,14 +28,14 @@ from typing import IO, Any
 
 import grpc
 
-from shared.alloc import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
-from shared.pb import kvpark_pb2 as pb
+from kvpark.alloc import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+from kvpark.pb import kvpark_pb2 as pb
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc reports CPU time in clock ticks
 
-# performance-notes.md lever 1, the same values as shared.alloc, for processes we start.
+# performance-notes.md lever 1, the same values as kvpark.alloc, for processes we start.
 ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
@@ -127,7 +127,7 @@ class ProducerSettings:
 
 
 class ProducerProcess:
-    """`python -m producer_service` on a free loopback port, owned by this object."""
+    """`python -m kvpark.producer` on a free loopback port, owned by this object."""
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class ProducerProcess:
         allocator_fix: bool = True,
         start_timeout_s: float = 30.0,
     ) -> None:
-        """`command` replaces `python -m producer_service` (e.g. a producer from another
+        """`command` replaces `python -m kvpark.producer` (e.g. a producer from another
         source tree, for before/after comparisons); the flags are appended to it."""
         self.settings = settings
         self.port = free_port()
@@ -146,7 +146,7 @@ class ProducerProcess:
         self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop)
         self._final_log = ""
         args = [
-            *(command or (sys.executable, "-m", "producer_service")),
+            *(command or (sys.executable, "-m", "kvpark.producer")),
             "--listen",
             self.target,
             "--metrics-listen",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
 
 from . import data
 from .clients import Parker

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from shared import wire
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
+from kvpark import wire
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
 
 from . import data
 from .clients import MAX_MESSAGE_BYTES, Parker

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 from .helper import Answer, answer_commands, repeat_until, run_until_stop
 

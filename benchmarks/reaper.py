@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from producer_service.lot import Lot, LotSettings, ParkBatch
-from producer_service.pool import HostPool
-from shared.checksum import crc32c_of
+from kvpark.checksum import crc32c_of
+from kvpark.producer.lot import Lot, LotSettings, ParkBatch
+from kvpark.producer.pool import HostPool
 
 from .report import VerificationError
 

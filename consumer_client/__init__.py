@@ -4,7 +4,7 @@ A decode worker imports this to fetch the KV chunks a prefill worker parked on a
 producer, straight into its own buffer, under a load timeout, with every chunk's CRC32C
 verified, and to fall back to local recompute of exactly what is missing (spec §5):
 
-    from consumer_client import KVConsumer, Timeout
+    from kvpark.client import KVConsumer, Timeout
 
     with KVConsumer("prefill-7:50051", timeout=Timeout(20, first_chunk_s=2)) as client:
         report = client.load_or_recompute(
@@ -38,7 +38,7 @@ misuse, misconfiguration or, for the unary calls, a call that did not get throug
 
 from __future__ import annotations
 
-from shared.alloc import tune_allocator
+from kvpark.alloc import tune_allocator
 
 from ._async import AsyncKVConsumer
 from ._core import TimeoutConfigWarning

@@ -1,4 +1,4 @@
-"""`python -m consumer_client` = the `kvpark` command."""
+"""`python -m kvpark.client` = the `kvpark` command."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ buffer for KV of another shape): the Fetch is cancelled and `BufferTooSmallError
 whether the id survives for a retry depends on whether the cancel overtook the stream.)
 
 Copies (performance-notes.md, lever 2): gRPC hands us each message as one `bytes` object;
-`shared.wire` parses it into a memoryview of the payload without copying; the CRC32C is checked
+`kvpark.wire` parses it into a memoryview of the payload without copying; the CRC32C is checked
 on that view; then the payload is copied exactly once, by one memcpy, into `into`. Without
 `into`, the received messages are kept (no copy) until the end and then copied once into a new
 array of the exact total size.

@@ -16,8 +16,8 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
-from shared.ids import check_id
-from shared.pb import kvpark_pb2 as pb
+from kvpark.ids import check_id
+from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import destination_for
 from ._errors import ClientClosedError, LoadFailedError, UsageError

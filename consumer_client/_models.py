@@ -1,7 +1,7 @@
 """Plain values the unary calls return, converted from the generated messages at the edge.
 
 The public API never hands out protobuf objects: they are mutable, their enums are bare ints,
-and a caller should not need `shared.pb` to read a state. Each value here mirrors one message
+and a caller should not need `kvpark.pb` to read a state. Each value here mirrors one message
 of the contract (names as in the .proto, units in the field names).
 """
 
@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
 
 from ._result import Reason
 

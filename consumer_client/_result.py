@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
 
 _PROTO_PREFIX = "REASON_"
 

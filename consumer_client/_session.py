@@ -33,10 +33,10 @@ from typing import Final
 
 import grpc
 
-from shared import wire
-from shared.checksum import crc32c_of
-from shared.ids import printable_id
-from shared.pb import kvpark_pb2 as pb
+from kvpark import wire
+from kvpark.checksum import crc32c_of
+from kvpark.ids import printable_id
+from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import Destination
 from ._errors import classify_status, error_for

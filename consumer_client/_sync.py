@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc
 
 from ._core import (
     DEFAULT_RPC_TIMEOUT_S,
@@ -129,7 +129,7 @@ class KVConsumer(ClientBase):
         self._channel = channel
         self._fresh = True
         self._stub = kvpark_pb2_grpc.KVProducerStub(channel)
-        # Raw bytes in and out: shared.wire parses chunks as views, no protobuf copies.
+        # Raw bytes in and out: kvpark.wire parses chunks as views, no protobuf copies.
         self._fetch = channel.unary_stream(FETCH_METHOD)
 
     def _contact(self, timeout: float | None, *, refresh: bool = False) -> Any:

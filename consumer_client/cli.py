@@ -37,7 +37,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from shared.alloc import tune_allocator
+from kvpark.alloc import tune_allocator
 
 from ._errors import KVParkError, RPCError, UsageError
 from ._models import IdStatus

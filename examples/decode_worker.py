@@ -1,4 +1,4 @@
-"""A minimal decode worker: how an inference engine uses `consumer_client`.
+"""A minimal decode worker: how an inference engine uses the `kvpark` client library.
 
 The router hands the decode worker each request with where its KV was parked: the producer's
 address, the producer epoch the prefill saw, and how many chunks of what size. The worker:
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from consumer_client import ConsumerRegistry, KeepAlive, LoadReport, Timeout, tune_allocator
+from kvpark.client import ConsumerRegistry, KeepAlive, LoadReport, Timeout, tune_allocator
 
 log = logging.getLogger("decode_worker")
 
@@ -108,9 +108,9 @@ class DecodeWorker:
 
 def park_synthetic(request: Request) -> int:
     """Plays the prefill worker: parks the request's synthetic KV; returns the producer epoch."""
-    from shared.checksum import crc32c_of
-    from shared.pb import kvpark_pb2 as pb
-    from shared.pb import kvpark_pb2_grpc as pb_grpc
+    from kvpark.checksum import crc32c_of
+    from kvpark.pb import kvpark_pb2 as pb
+    from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
     def messages() -> object:
         yield pb.ParkRequest(

@@ -1,4 +1,4 @@
-"""Demo decode worker: loads the demo's three requests with `consumer_client` and prints a table.
+"""Demo decode worker: loads the demo's three requests with the `kvpark` client and prints a table.
 
 The prefill worker parks three requests (see prefill_worker.py); this worker takes each down a
 different path:
@@ -35,7 +35,7 @@ import numpy as np
 from decode_worker import synthetic_chunk
 from demo_common import NAMES, Settings, fill, request_ids
 
-from consumer_client import (
+from kvpark.client import (
     IdStatus,
     KVConsumer,
     LoadPath,

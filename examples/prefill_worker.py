@@ -7,7 +7,7 @@ sent), then one `Chunk` per piece of KV with its CRC32C, then the producer's `Pa
 The call carries the prefill role's token as `authorization: Bearer <token>` metadata.
 
 (Python producers that park at high rates can skip protobuf's payload copies with
-`shared.wire.encode_park_chunk`, as the benchmarks do; the bytes on the wire are the same.)
+`kvpark.wire.encode_park_chunk`, as the benchmarks do; the bytes on the wire are the same.)
 
 A prefill worker is a long-running service, so after parking this one waits until it is
 stopped (SIGTERM/SIGINT) and exits 0. `DEMO_EXIT_AFTER_PARK=true` makes it exit right away
@@ -27,9 +27,9 @@ import grpc
 from decode_worker import synthetic_chunk
 from demo_common import Settings, request_ids
 
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc
 
 CONNECT_TIMEOUT_S = 30.0
 PARK_TIMEOUT_S = 30.0

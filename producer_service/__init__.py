@@ -1,9 +1,9 @@
 """kvpark producer: the gRPC server that parks KV chunks in a preallocated host-memory pool and
 streams them to the decode worker on Fetch. Import the submodules directly (for example
-`producer_service.config`); this package only re-exports the version."""
+`kvpark.producer.config`); this package only re-exports the version."""
 
 from __future__ import annotations
 
-from shared.version import __version__
+from kvpark.version import __version__
 
 __all__ = ["__version__"]

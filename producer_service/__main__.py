@@ -1,4 +1,4 @@
-"""`kvpark-producer` / `python -m producer_service`: start a producer from its configuration.
+"""`kvpark-producer` / `python -m kvpark.producer`: start a producer from its configuration.
 
 A thin layer over `config.load_config` and `server.serve`: a configuration error (a pool larger
 than the memory the process may use included, see memory_room.py) is printed on one line and
@@ -11,7 +11,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from shared.alloc import tune_allocator
+from kvpark.alloc import tune_allocator
 
 from .config import ConfigError, load_config
 from .logs import configure_logging

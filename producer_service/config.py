@@ -27,7 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shared.version import __version__
+from kvpark.version import __version__
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -46,7 +46,7 @@ ENV_PREFIX = "KVPARK_"
 CONFIG_ENV_VAR = "KVPARK_CONFIG"
 # KVPARK_ variables that belong to the project's other tools, not to the producer: ignored here
 # rather than rejected as typos, so one operator shell can hold them all. The `kvpark` CLI
-# (consumer_client.cli) reads the first two; the compose files interpolate the last two.
+# (kvpark.client.cli) reads the first two; the compose files interpolate the last two.
 OTHER_TOOLS_ENV_VARS = frozenset(
     {"KVPARK_TARGET", "KVPARK_TOKEN", "KVPARK_IMAGE", "KVPARK_CERTS_DIR"}
 )

@@ -4,7 +4,7 @@ Asks the producer's standard ``grpc.health.v1`` service whether it is SERVING an
 is, 1 otherwise (NOT_SERVING while shutting down, unreachable, timed out, ...), printing one line.
 Used by the image's ``HEALTHCHECK`` and by compose::
 
-    python -m producer_service.healthcheck [--target 127.0.0.1:50051] [--timeout 2] [--service NAME]
+    python -m kvpark.producer.healthcheck [--target 127.0.0.1:50051] [--timeout 2] [--service NAME]
         [--tls] [--ca-file PEM] [--server-name NAME] [--client-cert PEM --client-key PEM]
 
 Without ``--target`` the address comes from ``KVPARK_LISTEN`` when that is set (a wildcard host
@@ -96,7 +96,7 @@ def check(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m producer_service.healthcheck",
+        prog="python -m kvpark.producer.healthcheck",
         description="Exit 0 if the producer's grpc.health.v1 service answers SERVING, else 1.",
     )
     parser.add_argument(

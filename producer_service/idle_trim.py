@@ -1,6 +1,6 @@
 """Gives the heap a burst grew back to the OS once the producer has gone quiet.
 
-The allocator is tuned to keep freed multi-MiB buffers (`shared.alloc`: a 2 GiB trim threshold),
+The allocator is tuned to keep freed multi-MiB buffers (`kvpark.alloc`: a 2 GiB trim threshold),
 because handing them back and faulting them in again costs more than the copy they hold while
 data moves. The price is that a burst — 16 concurrent 4 MiB streams — leaves the producer
 100-200 MiB above `pool_bytes` for the rest of its life, on a host whose memory was sized for
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from shared.alloc import release_free_heap
+from kvpark.alloc import release_free_heap
 
 # Long enough that the gaps inside a burst (between one request's park and its fetch, between
 # requests of a busy prefill worker) do not trim; short enough that a quiet producer is back

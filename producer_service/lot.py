@@ -40,8 +40,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
 
 from .leases import LeaseQueue
 from .pool import HostPool, Reservation, SlotHandle

@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.pb import kvpark_pb2 as pb
-from shared.version import __version__
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
 from .config import ProducerConfig

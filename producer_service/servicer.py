@@ -6,7 +6,7 @@ and rate-limits warnings.
 
 The data path skips protobuf (performance-notes.md, lever 2): Park is registered with an
 identity request deserializer and Fetch with an identity response serializer, and
-`shared.wire` builds and parses the same bytes the generated classes would. Every other method
+`kvpark.wire` builds and parses the same bytes the generated classes would. Every other method
 uses the generated message classes. The method table lives in `method_handlers()`, the one place
 that registers the service.
 """
@@ -22,9 +22,9 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from shared import wire
-from shared.ids import id_problem, printable_id
-from shared.pb import kvpark_pb2 as pb
+from kvpark import wire
+from kvpark.ids import id_problem, printable_id
+from kvpark.pb import kvpark_pb2 as pb
 
 from .logs import LOGGER_NAME, RateLimitedWarnings
 from .lot import (
@@ -340,11 +340,11 @@ def method_handlers(servicer: KVProducerServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE_NAME,
         {
-            # Raw bytes in: shared.wire parses chunks as views, without protobuf copies.
+            # Raw bytes in: kvpark.wire parses chunks as views, without protobuf copies.
             "Park": grpc.stream_unary_rpc_method_handler(
                 servicer.Park, response_serializer=lambda m: m.SerializeToString()
             ),
-            # Raw bytes out: frames built by shared.wire straight from pool memory.
+            # Raw bytes out: frames built by kvpark.wire straight from pool memory.
             # Registered unary-unary although the contract's Fetch is a server stream: on the
             # wire the two are the same (HTTP/2 carries messages, not the method's shape), and
             # grpc.aio sends a unary handler's returned message and the call's status in ONE

@@ -27,7 +27,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 echo "== installing kvpark and its test dependencies into .venv"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]' --config-settings editable_mode=strict
 
 if [ "$want_docker" = 1 ]; then
   echo "== ensuring a Docker engine and the base image"

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _CHUNK_ID_TAG = b"\x08"  # field 1, varint

@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
-from producer_service.config import ProducerConfig
-from producer_service.server import ProducerServer
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.config import ProducerConfig
+from kvpark.producer.server import ProducerServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
@@ -117,7 +117,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = ""
 def park_requests(
     kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0, crc: bool = True
 ) -> list[pb.ParkRequest]:
-    from shared.checksum import crc32c_of
+    from kvpark.checksum import crc32c_of
 
     msgs = [
         pb.ParkRequest(
@@ -156,7 +156,7 @@ def free_port() -> int:
 
 @dataclass
 class ProducerProcess:
-    """A producer running as `python -m producer_service` (for signals and SIGKILL)."""
+    """A producer running as `python -m kvpark.producer` (for signals and SIGKILL)."""
 
     proc: subprocess.Popen[str]
     target: str
@@ -172,7 +172,7 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
         "metrics_listen": f"127.0.0.1:{metrics_port}",
         **overrides,
     }
-    args = [sys.executable, "-m", "producer_service"]
+    args = [sys.executable, "-m", "kvpark.producer"]
     for key, value in settings.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}

@@ -8,11 +8,11 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer_service.config import KEYS
-from producer_service.lot import Lot, LotSettings
-from producer_service.metrics import ProducerMetrics
-from producer_service.pool import HostPool
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.producer.config import KEYS
+from kvpark.producer.lot import Lot, LotSettings
+from kvpark.producer.metrics import ProducerMetrics
+from kvpark.producer.pool import HostPool
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

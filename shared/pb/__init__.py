@@ -1,4 +1,4 @@
-"""Generated stubs of `protos/kvpark/v1/kvpark.proto` (do not edit: `python -m shared.protogen`)."""
+"""Generated stubs of `protos/kvpark/v1/kvpark.proto` (do not edit: `python scripts/protogen.py`)."""
 
 from . import kvpark_pb2, kvpark_pb2_grpc
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import MiB, channel_options, park_requests, wait_for
 
 from benchmarks.env import ProducerProcess, ProducerSettings
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 SETTINGS = ProducerSettings(pool_bytes=16 * MiB, max_chunk_bytes=1 * MiB)
 

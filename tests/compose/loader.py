@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from consumer_client import KVConsumer, Timeout
+from kvpark.client import KVConsumer, Timeout
 
 
 def emit(event: str, **fields: Any) -> None:

@@ -24,9 +24,9 @@ import grpc
 from conftest import wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

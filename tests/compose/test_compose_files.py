@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from producer_service.config import CONFIG_ENV_VAR, KEYS
+from kvpark.producer.config import CONFIG_ENV_VAR, KEYS
 
 from .stack import DEMO_FILE, ROOT, TEST_FILE, TLS_FILE
 

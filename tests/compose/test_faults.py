@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumer_client import KVConsumer, LoadPath, LoadReport, Reason, State, Timeout
+from kvpark.client import KVConsumer, LoadPath, LoadReport, Reason, State, Timeout
 
 from .conftest import FETCH_TOKEN, PARK_TOKEN
 from .stack import Stack, docker, park, serving, wait_for

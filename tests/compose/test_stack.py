@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from consumer_client import KVConsumer, LoadPath, Reason, State
+from kvpark.client import KVConsumer, LoadPath, Reason, State
 
 from .conftest import FETCH_TOKEN, PARK_TOKEN
 from .stack import LEASE_S, Stack, demo_rows, park, run_demo, wait_for

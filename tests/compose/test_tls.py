@@ -13,7 +13,7 @@ import grpc
 import pytest
 from tls_certs import CertFiles, make_certs
 
-from consumer_client import KVConsumer, Reason
+from kvpark.client import KVConsumer, Reason
 
 from .conftest import FETCH_TOKEN, PARK_TOKEN, TOKENS_ENV
 from .stack import DEMO_FILE, TEST_FILE, TLS_FILE, Stack, demo_rows, park, run_demo

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 from conftest import park_requests
 
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -123,7 +123,7 @@ def cancelled_by_client(record: RecordedCall) -> bool:
 def no_warnings_about_timeouts() -> Iterator[None]:
     import warnings
 
-    from consumer_client import TimeoutConfigWarning
+    from kvpark.client import TimeoutConfigWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", TimeoutConfigWarning)

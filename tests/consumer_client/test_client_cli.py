@@ -14,7 +14,7 @@ import pytest
 from conftest import ProducerProcess, free_port, park, running_producer, stub_for
 from consumer_support import in_thread, joined, park_sync, payload
 
-from consumer_client import cli
+from kvpark.client import cli
 
 
 async def run_cli(*argv: str) -> int:

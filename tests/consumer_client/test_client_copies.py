@@ -18,7 +18,7 @@ import numpy as np
 from conftest import MiB, ProducerProcess
 from consumer_support import park_sync
 
-from consumer_client import KVConsumer
+from kvpark.client import KVConsumer
 
 CHUNK = 4 * MiB
 CHUNKS = 16

@@ -8,7 +8,7 @@ import pytest
 from conftest import park, running_producer, stub_for
 from consumer_support import in_thread, joined, payload
 
-from consumer_client import (
+from kvpark.client import (
     AsyncKVConsumer,
     KVConsumer,
     LoadFailedError,

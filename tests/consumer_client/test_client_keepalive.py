@@ -10,7 +10,7 @@ import pytest
 from conftest import park, running_producer, state_of, stub_for, wait_until
 from consumer_support import in_thread, payload
 
-from consumer_client import (
+from kvpark.client import (
     AsyncKVConsumer,
     ClientClosedError,
     KVConsumer,
@@ -18,7 +18,7 @@ from consumer_client import (
     State,
     UsageError,
 )
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
 
 LEASE_S = 1.0
 

@@ -34,7 +34,7 @@ from consumer_support import (
     payload,
 )
 
-from consumer_client import (
+from kvpark.client import (
     AsyncKVConsumer,
     AuthError,
     BufferTooSmallError,
@@ -48,8 +48,8 @@ from consumer_client import (
     TimeoutConfigWarning,
     TransportError,
 )
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 PARK_TOKEN = "park-token-for-consumer-tests"
 FETCH_TOKEN = "fetch-token-for-consumer-tests"

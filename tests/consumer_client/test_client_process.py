@@ -1,4 +1,4 @@
-"""Against `python -m producer_service` subprocesses, where a process must die or restart:
+"""Against `python -m kvpark.producer` subprocesses, where a process must die or restart:
 a producer SIGKILLed mid-stream, and a restarted producer answering an old epoch."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from conftest import MiB, ProducerProcess, free_port, wait_for
 from consumer_support import park_sync, payload
 
-from consumer_client import AsyncKVConsumer, KVConsumer, LoadPath, Reason, TransportError
+from kvpark.client import AsyncKVConsumer, KVConsumer, LoadPath, Reason, TransportError
 
 Start = Callable[..., ProducerProcess]
 

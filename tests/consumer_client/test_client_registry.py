@@ -6,7 +6,7 @@ import pytest
 from conftest import park, running_producer, stub_for
 from consumer_support import in_thread, payload
 
-from consumer_client import (
+from kvpark.client import (
     AsyncConsumerRegistry,
     ClientClosedError,
     ConsumerRegistry,

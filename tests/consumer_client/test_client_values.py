@@ -10,8 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
-import consumer_client
-from consumer_client import (
+import kvpark.client as consumer_client
+from kvpark import wire
+from kvpark.checksum import crc32c_of
+from kvpark.client import (
     AuthError,
     BufferTooSmallError,
     KVConsumer,
@@ -26,11 +28,9 @@ from consumer_client import (
     UsageError,
     classify_status,
 )
-from consumer_client._buffers import IntoBuffer, OwnedBuffer, byte_view
-from consumer_client._session import LoadSession, Step
-from shared import wire
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
+from kvpark.client._buffers import IntoBuffer, OwnedBuffer, byte_view
+from kvpark.client._session import LoadSession, Step
+from kvpark.pb import kvpark_pb2 as pb
 
 # ----------------------------------------------------------------------------------- Timeout
 
@@ -128,7 +128,7 @@ def test_every_contract_state_has_a_member() -> None:
 
 
 def test_every_grpc_status_code_is_mapped_explicitly() -> None:
-    from consumer_client._errors import _TABLE
+    from kvpark.client._errors import _TABLE
 
     assert set(_TABLE) == set(grpc.StatusCode), "the table must name every StatusCode"
     for code in grpc.StatusCode:
@@ -262,7 +262,7 @@ def test_placement_is_back_to_back_and_overflow_is_misuse() -> None:
 
 
 def _session(chunk_ids: tuple[int, ...] | None, into: object = None) -> LoadSession:
-    from consumer_client._buffers import destination_for
+    from kvpark.client._buffers import destination_for
 
     return LoadSession(
         kv_request_id="s",

@@ -21,9 +21,9 @@ import psutil
 from conftest import MiB, channel_options, park_requests, running_producer, stub_for, wait_until
 from test_hostile import payload
 
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 SOAK_IDS = int(os.environ.get("KVPARK_SOAK_IDS", "3000"))
 WORKERS = 8

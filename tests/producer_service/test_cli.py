@@ -12,10 +12,10 @@ import grpc
 import pytest
 from conftest import ProducerProcess
 
-from producer_service.config import KEYS
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.config import KEYS
 
 
 def run_cli(

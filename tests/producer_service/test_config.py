@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer_service.config import (
+from kvpark.producer.config import (
     CONFIG_ENV_VAR,
     KEYS,
     MAX_SECONDS,
@@ -627,8 +627,8 @@ def test_keys_match_the_spec_table() -> None:
 def test_other_tools_variables_are_not_producer_typos() -> None:
     """The `kvpark` CLI and the compose files read KVPARK_ variables of their own: a shell
     holding them still starts a producer, and every one of them is known to the producer."""
-    from consumer_client import cli
-    from producer_service.config import OTHER_TOOLS_ENV_VARS
+    from kvpark.client import cli
+    from kvpark.producer.config import OTHER_TOOLS_ENV_VARS
 
     root = Path(cli.__file__).resolve().parents[1]
     sources = [Path(cli.__file__), *root.glob("docker-compose*.yml")]

@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from producer_service.server import ProducerServer
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.server import ProducerServer
 
 # The one status code a hostile call may end with besides an in-band answer: the producer's
 # answer to a malformed request. UNKNOWN and INTERNAL would mean a handler raised;

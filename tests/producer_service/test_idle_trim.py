@@ -10,9 +10,9 @@ import grpc
 import psutil
 from conftest import MiB, ProducerProcess, channel_options, park_requests, wait_for
 
-from producer_service.idle_trim import IdleHeapTrim
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.idle_trim import IdleHeapTrim
 
 
 class _Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer_service.leases import LeaseQueue
+from kvpark.producer.leases import LeaseQueue
 
 
 @given(st.lists(st.floats(0, 1000, allow_nan=False), max_size=200), st.data())

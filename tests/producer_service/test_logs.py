@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from producer_service.logs import RateLimitedWarnings
+from kvpark.producer.logs import RateLimitedWarnings
 
 
 class _Clock:

@@ -20,7 +20,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from producer_service.lot import (
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.producer.lot import (
     ALREADY_BOUND,
     ALREADY_CONSUMED,
     CHECKSUM_MISMATCH,
@@ -45,9 +47,7 @@ from producer_service.lot import (
     ReadyChunk,
     Refusal,
 )
-from producer_service.pool import HostPool
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
+from kvpark.producer.pool import HostPool
 
 PAGE = 64
 EPOCH = 0x5EED_1234

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from producer_service.config import ConfigError
-from producer_service.memory_room import (
+from kvpark.producer.config import ConfigError
+from kvpark.producer.memory_room import (
     BURST_MARGIN_BYTES,
     MemoryRoom,
     check_pool_fits,

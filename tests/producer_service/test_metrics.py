@@ -8,8 +8,8 @@ import urllib.request
 from conftest import FakeClock, MiB, fetch_all, park, running_producer, stub_for, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer_service.metrics import ProducerMetrics
-from shared.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.producer.metrics import ProducerMetrics
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -101,8 +101,8 @@ def test_process_memory_is_exported_and_holds_the_pool(producer_process) -> None
 
 def test_documented_metric_names_exist() -> None:
     """The names operators alert on (the issue's list) are all exported."""
-    from producer_service.lot import Lot, LotSettings
-    from producer_service.pool import HostPool
+    from kvpark.producer.lot import Lot, LotSettings
+    from kvpark.producer.pool import HostPool
 
     lot = Lot(HostPool(1 << 20), LotSettings(), epoch=1, clock=lambda: 0.0)
     metrics = ProducerMetrics(lot)

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from producer_service.pool import (
+from kvpark.producer.pool import (
     HostPool,
     PoolStatistics,
     Reservation,

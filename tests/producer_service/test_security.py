@@ -16,9 +16,9 @@ from conftest import channel_options, park_requests, running_producer, wait_unti
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import make_certs
 
-from producer_service.logs import JsonFormatter
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.logs import JsonFormatter
 
 PARK_TOKEN = "park-secret-7f3a9c"
 FETCH_TOKEN = "fetch-secret-1b2d4e"

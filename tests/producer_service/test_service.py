@@ -23,9 +23,9 @@ from conftest import (
     wait_until,
 )
 
-from shared.checksum import crc32c_of
-from shared.pb import kvpark_pb2 as pb
-from shared.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 
 def chunks_of(n: int, size: int = 64 * 1024) -> dict[int, bytes]:

@@ -3,27 +3,41 @@ data-path frames are byte-identical to what the generated classes produce."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import protogen, wire
-from shared.pb import kvpark_pb2 as pb
+from kvpark import wire
+from kvpark.pb import kvpark_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _protogen() -> object:
+    """scripts/protogen.py, a development tool that is not part of the installed package."""
+    spec = importlib.util.spec_from_file_location("protogen", ROOT / "scripts" / "protogen.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
+    protogen: Any = _protogen()
     fresh = protogen.generate(tmp_path)
     for name, text in fresh.items():
         committed = (protogen.OUT_DIR / name).read_text()
-        assert committed == text, f"shared/pb/{name} is stale: run `python -m shared.protogen`"
+        assert committed == text, f"shared/pb/{name} is stale: run `python scripts/protogen.py`"
 
 
 def test_stubs_import_outside_the_source_tree(tmp_path: Path) -> None:
-    code = "from shared.pb import kvpark_pb2_grpc; print(kvpark_pb2_grpc.KVProducerStub.__name__)"
+    code = "from kvpark.pb import kvpark_pb2_grpc; print(kvpark_pb2_grpc.KVProducerStub.__name__)"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

@@ -1,6 +1,6 @@
 """Regenerates the committed Python stubs of `protos/kvpark/v1/kvpark.proto` into `shared/pb/`.
 
-One command: `python -m shared.protogen`. grpc's generator writes absolute imports
+One command: `python scripts/protogen.py`. grpc's generator writes absolute imports
 (`from kvpark.v1 import kvpark_pb2`) that only resolve when `protos/` output is on sys.path; we
 rewrite that one line to a relative import so the stubs import cleanly from the installed
 package (the well-known `_pb2_grpc` import trap). A test regenerates into a temporary folder and
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_FILE = "kvpark/v1/kvpark.proto"
-OUT_DIR = Path(__file__).resolve().parent / "pb"
+OUT_DIR = ROOT / "shared" / "pb"
 GENERATED = ("kvpark_pb2.py", "kvpark_pb2.pyi", "kvpark_pb2_grpc.py")
 
 
