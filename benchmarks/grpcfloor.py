@@ -141,13 +141,17 @@ def consumer_channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     """The options a `KVConsumer` opens its channel with by default — the floor must not
     differ from the product in transport settings — with its receive limit raised for
     `max_message_bytes`, as the client raises it after ServerInfo."""
-    from kvpark.client._core import ClientCore  # the one place the client's options live
+    from kvpark.client._channel import ChannelSettings  # where the clients' options live
 
-    core = ClientCore(
-        "floor", timeout=None, token=None, credentials=None, channel_options=(), interceptors=()
+    settings = ChannelSettings.build(
+        "floor",
+        token=None,
+        credentials=None,
+        channel_options=(),
+        interceptors=(),
+        max_chunk_bytes=max_message_bytes,
     )
-    core.max_chunk_bytes = max(core.max_chunk_bytes, max_message_bytes)
-    return core.channel_options()
+    return list(settings.options)
 
 
 class FloorClient:

@@ -70,7 +70,7 @@ def measure(parked: int, expired: int, reps: int, progress: Callable[[str], None
             refused = lot.park_chunk(batch, 0, data, crc)
             if refused is not None:
                 raise VerificationError(f"reaper benchmark: chunk of {kid} refused: {refused}")
-            lot.finish_park(batch)
+            lot.commit_park(batch, 1, len(data))
             counter += 1
 
     progress(f"reaper: parking {parked:,} ids")

@@ -1,10 +1,11 @@
-"""kvpark consumer client: load a request's KV from a producer, or learn fast why not.
+"""kvpark's clients: the decode side's consumers and the prefill side's parkers.
 
-A decode worker imports this to fetch the KV chunks a prefill worker parked on a kvpark
-producer, straight into its own buffer, under a load timeout, with every chunk's CRC32C
-verified, and to fall back to local recompute of exactly what is missing (spec §5):
+The public names are re-exported by `kvpark` itself (`from kvpark import KVConsumer, ...`); the
+modules here are the implementation. A decode worker loads a request's KV into its own buffer
+(one buffer, or one destination per chunk of a paged cache), verified chunk by chunk, or learns
+at once why not and recomputes exactly what is missing:
 
-    from kvpark.client import KVConsumer, Timeout
+    from kvpark import KVConsumer, Timeout
 
     with KVConsumer("prefill-7:50051", timeout=Timeout(20, first_chunk_s=2)) as client:
         report = client.load_or_recompute(
@@ -14,14 +15,15 @@ verified, and to fall back to local recompute of exactly what is missing (spec �
         report.path      # LoadPath.REMOTE / PARTIAL / RECOMPUTE
         report.reason    # None, or e.g. Reason.REAPED, Reason.TIMEOUT, Reason.UNAVAILABLE
 
-`AsyncKVConsumer` has the same methods as coroutines (`aclose` for `close`), and
-`ConsumerRegistry` / `AsyncConsumerRegistry` keep one client per producer target.
+`AsyncKVConsumer` has the same methods as coroutines (`aclose` for `close`); `KVParker` and
+`AsyncKVParker` park (parker.py); `ConsumerRegistry` keeps one client per producer target.
 
-Expected outcomes are values (`LoadResult`, `ReleaseResult`, `IdStatus`); exceptions mean
-misuse, misconfiguration or, for the unary calls, a call that did not get through:
+Expected outcomes are values (`LoadResult`, `ParkResult`, `ReleaseResult`, `IdStatus`);
+exceptions mean misuse, misconfiguration or, for the unary calls, a call that did not get
+through:
 
     KVParkError
-    ├── UsageError (also ValueError, TypeError)    bad arguments: id, chunk ids, timeout, into
+    ├── UsageError (also ValueError)               bad arguments: id, chunk ids, timeout, into
     │   └── BufferTooSmallError                    the chunks do not fit in `into`
     ├── ClientClosedError (also RuntimeError)      the client or registry was closed
     ├── RPCError                                   .code (grpc.StatusCode), .details
@@ -29,16 +31,14 @@ misuse, misconfiguration or, for the unary calls, a call that did not get throug
     │   ├── RequestRejectedError                   INVALID_ARGUMENT, OUT_OF_RANGE
     │   ├── AuthError                              UNAUTHENTICATED, PERMISSION_DENIED
     │   └── ProtocolError                          UNIMPLEMENTED, INTERNAL, UNKNOWN, ...
-    └── LoadFailedError                            load_or_recompute(fallback="raise"); .result
+    └── LoadFailedError                            load_or_recompute(policy="fail"); .result
 
-`load` never raises TransportError: a load that did not get through is a `LoadResult` with
+`load` and `park` never raise TransportError: a call that did not get through is a result with
 `Reason.UNAVAILABLE` / `TIMEOUT` / ... . `classify_status` is the one place that maps every
 `grpc.StatusCode`.
 """
 
 from __future__ import annotations
-
-from kvpark.alloc import tune_allocator
 
 from ._async import AsyncKVConsumer
 from ._core import TimeoutConfigWarning
@@ -57,16 +57,20 @@ from ._errors import (
     classify_status,
 )
 from ._models import IdStatus, ProducerInfo, ReleaseResult, State
-from ._result import LoadPath, LoadReport, LoadResult, Reason
+from ._result import LoadPath, LoadReport, LoadResult, ParkResult, Reason
 from ._sync import KVConsumer
-from ._timeouts import Timeout
+from ._timeouts import USE_CLIENT_DEFAULT, Timeout
 from .keepalive import AsyncKeepAlive, KeepAlive, KeepAliveStatistics
+from .parker import AsyncKVParker, AsyncParkBatch, KVParker, ParkBatch
 from .registry import AsyncConsumerRegistry, ConsumerRegistry
 
 __all__ = [
+    "USE_CLIENT_DEFAULT",
     "AsyncConsumerRegistry",
     "AsyncKVConsumer",
+    "AsyncKVParker",
     "AsyncKeepAlive",
+    "AsyncParkBatch",
     "AuthError",
     "BufferTooSmallError",
     "ClientClosedError",
@@ -74,12 +78,15 @@ __all__ = [
     "IdStatus",
     "KVConsumer",
     "KVParkError",
+    "KVParker",
     "KeepAlive",
     "KeepAliveStatistics",
     "LoadFailedError",
     "LoadPath",
     "LoadReport",
     "LoadResult",
+    "ParkBatch",
+    "ParkResult",
     "ProducerInfo",
     "ProtocolError",
     "RPCError",
@@ -93,5 +100,4 @@ __all__ = [
     "TransportError",
     "UsageError",
     "classify_status",
-    "tune_allocator",
 ]

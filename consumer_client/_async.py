@@ -1,16 +1,19 @@
 """`AsyncKVConsumer`: the asyncio client, on `grpc.aio`, with the sync client's method names.
 
 Same decisions as `KVConsumer` (they live in `_core` and `_session`); only the waiting differs:
-the first-chunk watchdog is a `loop.call_later` that cancels the call, and a locally cancelled
-aio call surfaces as `asyncio.CancelledError`, which is told apart from a cancellation of the
-caller's own task (`Task.cancelling()`) — the latter always propagates.
+the first-chunk watchdog is a `loop.call_later` that cancels the call, background work (one
+ServerInfo read after first use, confirmations of deliveries) runs as tasks the client owns
+and cancels on `aclose`, and a locally cancelled aio call surfaces as `asyncio.CancelledError`,
+which is told apart from a cancellation of the caller's own task (`Task.cancelling()`) — the
+latter always propagates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+import logging
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -19,27 +22,33 @@ import grpc
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 
+from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
-    DEFAULT_RPC_TIMEOUT_S,
+    CONFIRM_FLUSH_S,
+    CONFIRM_TIMEOUT_S,
     FETCH_METHOD,
     ClientBase,
-    Fallback,
+    ClientCore,
+    Policy,
     T,
-    check_fallback,
+    check_policy,
+    confirm_request,
     fallback_plan,
     keepalive_requests,
     lookup_requests,
+    release_request,
     report,
-    rpc_timeout,
     states_of,
-    valid_id,
 )
-from ._errors import error_for, error_from_rpc
+from ._errors import KVParkError, error_for, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
-from ._timeouts import Timeout
+from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import AsyncKeepAlive
+
+log = logging.getLogger("kvpark.client")
+_CONFIRM_TASK = "kvpark-confirm"
 
 
 class _Watchdog:
@@ -62,40 +71,62 @@ class _Watchdog:
             self._handle = None
 
 
+def caller_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (as opposed to a call it awaited
+    being cancelled under it, by a watchdog or by closing the client)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class AsyncKVConsumer(ClientBase):
     """An asyncio kvpark client for one producer (`target`, "host:port").
 
-    Use as an async context manager or call `aclose()`. The channel is opened on first use
-    (inside the running loop) and reused; first contact reads the producer's ServerInfo.
+    `timeout` is the default of every call (README, "Timeouts"); `confirm` whether successful
+    loads are confirmed to the producer. Use as an async context manager or call `aclose()`.
+    The channel is opened on first use (inside the running loop) and reused.
     """
 
     def __init__(
         self,
         target: str,
         *,
-        timeout: Timeout | float | None = None,
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        confirm: bool = True,
     ) -> None:
-        super().__init__(
+        settings = ChannelSettings.build(
             target,
-            timeout=timeout,
             token=token,
             credentials=credentials,
             channel_options=channel_options,
             interceptors=interceptors,
+            max_chunk_bytes=max_chunk_bytes,
         )
-        self._lock = asyncio.Lock()
+        self._core = ClientCore(settings, timeout=timeout, confirm=confirm)
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._fetch: Any = None
+        self._background: set[asyncio.Task[Any]] = set()
 
     # ---------------------------------------------------------------------------- lifecycle
     async def aclose(self) -> None:
-        """Closes the channel; in-flight loads end CANCELLED. Idempotent."""
+        """Closes the channel: loads in flight end CANCELLED, other calls ClientClosedError.
+        Confirmations already queued get up to CONFIRM_FLUSH_S to go out; then background
+        work is cancelled (the producer frees unconfirmed ids after its delivery_grace_s).
+        Idempotent."""
         self._core.closed = True
+        confirms = [t for t in self._background if t.get_name() == _CONFIRM_TASK]
+        if confirms:  # queued confirmations get a moment to go out first
+            await asyncio.wait(confirms, timeout=CONFIRM_FLUSH_S)
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()
@@ -110,76 +141,70 @@ class AsyncKVConsumer(ClientBase):
     ) -> None:  # fmt: skip
         await self.aclose()
 
-    def _open(self) -> None:
-        core = self._core
-        kwargs: dict[str, Any] = {"options": core.channel_options()}
-        if core.interceptors:
-            kwargs["interceptors"] = core.interceptors
-        if core.credentials is not None:
-            channel = grpc.aio.secure_channel(core.target, core.credentials, **kwargs)
-        else:
-            channel = grpc.aio.insecure_channel(core.target, **kwargs)
-        self._channel = channel
-        self._fresh = True
-        self._stub = kvpark_pb2_grpc.KVProducerStub(channel)
-        # Raw bytes in and out: kvpark.wire parses chunks as views, no protobuf copies.
-        self._fetch = channel.unary_stream(FETCH_METHOD)
+    def _stubs(self) -> tuple[Any, Any]:
+        """(stub, raw Fetch callable) of the open channel, opened on first use. No await
+        happens here, so two coroutines cannot both open one."""
+        self._core.check_open()
+        if self._channel is None:
+            self._channel = self._core.channel.open_aio()
+            self._stub = kvpark_pb2_grpc.KVProducerStub(self._channel)
+            # Raw bytes in and out: kvpark.wire parses chunks as views, no protobuf copies.
+            self._fetch = self._channel.unary_stream(FETCH_METHOD)
+        if self._core.want_info():
+            self._in_background(self._read_info(self._stub))
+        return self._stub, self._fetch
 
-    async def _contact(self, timeout: float | None, *, refresh: bool = False) -> Any:
-        """Opens the channel and reads ServerInfo on first contact (or when `refresh`, or after
-        the producer went away); returns the stub. Raises grpc.aio.AioRpcError."""
-        async with self._lock:
-            self._core.check_open()
-            if self._channel is None:
-                self._open()
-            if refresh or self._core.info is None:
-                msg = await self._stub.GetServerInfo(
-                    pb.GetServerInfoRequest(), timeout=timeout, metadata=self._core.metadata
-                )
-                if self._accept_info(msg):
-                    assert self._channel is not None
-                    await self._channel.close()
-                    self._open()
-            self._fresh = False
-            return self._stub
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str = "kvpark-info") -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _read_info(self, stub: Any) -> None:
+        info = None
+        try:
+            msg = await stub.GetServerInfo(
+                pb.GetServerInfoRequest(),
+                timeout=self._core.info_timeout_s(),
+                metadata=self._core.channel.metadata,
+            )
+            info = ProducerInfo.from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("kvpark: ServerInfo from %s failed: %s", self.target, exc.code())
+        finally:
+            self._core.info_done(info)
 
     # -------------------------------------------------------------------------- unary calls
-    async def _unary(
-        self, method: str | None, request: Any, timeout: float | None, *, refresh: bool = False
-    ) -> Any:
-        """Contact, then one unary call (`method` None: contact only); gRPC errors become our
-        exceptions (classify_status)."""
-        timeout = rpc_timeout(timeout)
+    async def _unary(self, method: str, request: Any, timeout: TimeoutArg) -> Any:
+        """One unary call under the timeout rule; gRPC errors become our exceptions."""
+        deadline = self._core.call_deadline(timeout)
+        stub, _ = self._stubs()
         try:
-            stub = await self._contact(timeout, refresh=refresh)
-            if method is None:
-                return None
             call = getattr(stub, method)
-            return await call(request, timeout=timeout, metadata=self._core.metadata)
+            return await call(request, timeout=deadline, metadata=self._core.channel.metadata)
         except grpc.aio.AioRpcError as exc:
             self._core.note_status(exc.code())
-            raise error_from_rpc(exc, method or "GetServerInfo") from None
+            raise error_from_rpc(exc, method) from None
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if caller_cancelled():
                 raise  # our caller is being cancelled
-            # The call was cancelled under us, by aclose() (or a channel rebuilt after
-            # ServerInfo): an error of ours, not a cancellation of a task nobody cancelled.
+            # The call was cancelled under us, by aclose(): an error of ours, not a
+            # cancellation of a task nobody cancelled.
             self._core.check_open()  # closed: ClientClosedError
-            what = method or "GetServerInfo"
-            raise error_for(grpc.StatusCode.CANCELLED, "call cancelled", what) from None
+            raise error_for(grpc.StatusCode.CANCELLED, "call cancelled", method) from None
 
     async def server_info(
-        self, *, refresh: bool = False, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, *, refresh: bool = False, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> ProducerInfo:
-        """The producer's epoch, limits and timeouts, read on first contact; `refresh` reads
-        them again (e.g. for pool_free_bytes)."""
-        await self._unary(None, None, timeout, refresh=refresh)
-        assert self._core.info is not None
-        return self._core.info
+        """The producer's epoch, limits and timeouts. Answered from what the client knows
+        unless `refresh` or it knows nothing yet (then one GetServerInfo call)."""
+        known = self._core.info
+        if known is not None and not refresh:
+            return known
+        msg = await self._unary("GetServerInfo", pb.GetServerInfoRequest(), timeout)
+        return self._core.set_info(ProducerInfo.from_proto(msg))
 
     async def lookup(
-        self, kv_request_ids: Iterable[str], *, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, kv_request_ids: Iterable[str], *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> list[IdStatus]:
         """The state of each id, in order."""
         out: list[IdStatus] = []
@@ -192,9 +217,9 @@ class AsyncKVConsumer(ClientBase):
         kv_request_ids: Iterable[str],
         extend_s: float = 0.0,
         *,
-        timeout: float | None = DEFAULT_RPC_TIMEOUT_S,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> list[IdStatus]:
-        """One KeepAlive call: leases last at least `extend_s` more (0 = the producer's
+        """One KeepAlive round: leases last at least `extend_s` more (0 = the producer's
         unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop."""
         out: list[IdStatus] = []
         for request in keepalive_requests(kv_request_ids, extend_s):
@@ -202,12 +227,23 @@ class AsyncKVConsumer(ClientBase):
         return out
 
     async def release(
-        self, kv_request_id: str, *, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> ReleaseResult:
-        """Gives an id up on the producer (frees its memory, tombstones it RELEASED)."""
-        kid = valid_id(kv_request_id)
-        msg = await self._unary("Release", pb.ReleaseRequest(kv_request_id=kid), timeout)
-        return ReleaseResult.from_proto(kid, msg)
+        """Gives an id up on the producer (frees its memory, tombstones it RELEASED). Needs
+        the park role's token when the producer has one."""
+        request = release_request(kv_request_id)
+        reply = await self._unary("Release", request, timeout)
+        return ReleaseResult.from_proto(request.kv_request_id, reply)
+
+    async def confirm(
+        self, result: LoadResult, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
+    ) -> ReleaseResult:
+        """Confirms a successful load's delivery: the producer frees the id now rather than
+        after its delivery_grace_s. Loads do this by themselves in the background unless
+        `confirm=False`; call it when you turned that off."""
+        request = confirm_request(result)
+        reply = await self._unary("Release", request, timeout)
+        return ReleaseResult.from_proto(request.kv_request_id, reply)
 
     def keep_alive(
         self,
@@ -216,9 +252,9 @@ class AsyncKVConsumer(ClientBase):
         interval_s: float | None = None,
         extend_s: float = 0.0,
     ) -> AsyncKeepAlive:
-        """Keeps leases alive from a task while requests wait in the decode queue:
-        `async with client.keep_alive(ids) as ka: ...`; `ka.add()` / `ka.discard()` as the
-        queue changes. Stops cleanly on exit."""
+        """Starts keeping leases alive from a task while requests wait in the decode queue; it
+        runs when returned. `async with client.keep_alive(ids) as ka: ...`, and `ka.add()` /
+        `ka.discard()` as the queue changes; `await ka.stop()` or leaving the block stops it."""
         self._core.check_open()
         return AsyncKeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
 
@@ -231,14 +267,17 @@ class AsyncKVConsumer(ClientBase):
         num_chunks: int | None = None,
         into: Any = None,
         expected_epoch: int = 0,
-        timeout: Timeout | float | None = None,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        confirm: bool | None = None,
     ) -> LoadResult:
         """Loads an id's chunks (all of them, `num_chunks` = 0..N-1, or `chunk_ids` in that
-        order) into `into` (or a new array), under `timeout`. Failures are values: see
-        `LoadResult.reason`. Raises only for misuse (UsageError, BufferTooSmallError,
-        ClientClosedError) and for statuses that mean misconfiguration (AuthError, ...)."""
+        order) into `into` (one buffer, one destination per chunk, a callable, or nothing for
+        a new array), under `timeout`. Failures are values: see `LoadResult.reason`. Raises
+        only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
+        that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
+        the background unless `confirm` (default: the client's) is False."""
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -249,17 +288,16 @@ class AsyncKVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
         )
-        try:
-            await self._contact(session.contact_timeout_s(DEFAULT_RPC_TIMEOUT_S))
-        except grpc.aio.AioRpcError as exc:
-            session.contact_failed(exc.code(), exc.details())
-        if not session.decided and not session.out_of_time():
-            await self._stream(session)
-        return self._core.finish_load(session)
+        _, fetch = self._stubs()
+        await self._stream(fetch, session)
+        result = self._core.finish_load(session)
+        if self._core.should_confirm(result, confirm):
+            self._in_background(self._confirm_quietly(result), _CONFIRM_TASK)
+        return result
 
-    async def _stream(self, session: LoadSession) -> None:
-        call = self._fetch(
-            session.request, timeout=session.remaining_s(), metadata=self._core.metadata
+    async def _stream(self, fetch: Any, session: LoadSession) -> None:
+        call = fetch(
+            session.request, timeout=session.remaining_s(), metadata=self._core.channel.metadata
         )
         watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
@@ -281,8 +319,7 @@ class AsyncKVConsumer(ClientBase):
             ended = True
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if caller_cancelled():
                 raise  # our caller is being cancelled: the finally below cancels the call
             # The call itself was cancelled: by our watchdog, or by aclose().
             ended = True
@@ -291,22 +328,46 @@ class AsyncKVConsumer(ClientBase):
         finally:
             watchdog.disarm()
             if not ended:
-                call.cancel()  # the producer's abort signal: the id goes back to PARKED
+                call.cancel()  # the producer's abort signal: the id goes back where it was
+
+    async def _confirm_quietly(self, result: LoadResult) -> None:
+        try:
+            await self.confirm(result, timeout=CONFIRM_TIMEOUT_S)
+        except KVParkError as exc:  # the producer frees the id after its grace anyway
+            log.debug("kvpark: confirming %r failed: %s", result.kv_request_id, exc)
 
     async def load_or_recompute(
         self,
         kv_request_id: str,
         *,
         recompute: Callable[[int], T] | None = None,
-        fallback: Fallback = "recompute",
-        **load_args: Any,
+        policy: Policy = "recompute",
+        chunk_ids: Iterable[int] | None = None,
+        num_chunks: int | None = None,
+        into: Any = None,
+        expected_epoch: int = 0,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+        wait_timeout_s: float = 0.0,
+        on_chunk: OnChunk | None = None,
+        confirm: bool | None = None,
     ) -> LoadReport[T]:
-        """`load`, then on any failure `recompute(first_missing_chunk)` (awaited if it returns
-        an awaitable) so the engine redoes only what is missing. `fallback="raise"` raises
-        LoadFailedError instead. The report says which path was taken and why."""
-        check_fallback(fallback, recompute)
-        result = await self.load(kv_request_id, **load_args)
-        first = fallback_plan(result, fallback)
+        """`load`, then, when it failed: with `policy="recompute"` (the default),
+        `recompute(first_missing_chunk)` (awaited if it returns an awaitable) so the engine
+        redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
+        recomputed. The report says which path was taken (remote, partial, recompute)."""
+        check_policy(policy, recompute)
+        result = await self.load(
+            kv_request_id,
+            chunk_ids=chunk_ids,
+            num_chunks=num_chunks,
+            into=into,
+            expected_epoch=expected_epoch,
+            timeout=timeout,
+            wait_timeout_s=wait_timeout_s,
+            on_chunk=on_chunk,
+            confirm=confirm,
+        )
+        first = fallback_plan(result, policy)
         value: Any = None
         if first is not None and recompute is not None:
             value = recompute(first)

@@ -1,27 +1,28 @@
-"""Where a load's chunk payloads land: the caller's buffer, or one the result owns.
+"""Where a load's chunk payloads land: the caller's memory, or an array the result owns.
 
-Layout rule (one rule, no per-chunk offsets to get wrong): chunks land back to back in the
-order they were requested, starting at byte 0 of the destination. An engine whose chunks all
-have the same size S asking for 0..N-1 thus finds chunk k at k·S. `LoadResult.chunk_offsets`
-reports where each chunk landed either way.
+`into` takes one of four forms:
 
-`into` may be anything writable and C-contiguous with the buffer protocol (numpy array of any
-dtype, bytearray, memoryview, mmap) or an object numpy can view without copying
-(`__array_interface__`, e.g. `tensor.numpy()` of a CPU tensor). It is viewed as raw bytes; its
-size bounds the load. A chunk that would run past its end is misuse (the engine sized the
-buffer for KV of another shape): the Fetch is cancelled and `BufferTooSmallError` is raised.
-(The producer streams eagerly and counts an id consumed once it has sent every chunk, so
-whether the id survives for a retry depends on whether the cancel overtook the stream.)
+- nothing: the result owns a new array of exactly the loaded size;
+- one writable buffer: chunks land back to back in the order they were requested, from byte 0
+  (an engine whose chunks all have size S asking for 0..N-1 finds chunk k at k·S);
+  `LoadResult.chunk_offsets` says where each landed either way;
+- a sequence with one destination per requested chunk, in request order (a paged KV cache's
+  blocks);
+- a callable `(chunk_id, nbytes) -> destination`, asked once per chunk as it arrives.
 
-Copies (performance-notes.md, lever 2): gRPC hands us each message as one `bytes` object;
-`kvpark.wire` parses it into a memoryview of the payload without copying; the CRC32C is checked
-on that view; then the payload is copied exactly once, by one memcpy, into `into`. Without
-`into`, the received messages are kept (no copy) until the end and then copied once into a new
-array of the exact total size.
+A per-chunk destination is one writable buffer or a list of them, filled in order (a scatter
+list: a chunk that is several pieces of a paged cache). Each byte is copied once, from the
+received message into its place, after the chunk's CRC32C matched. A buffer is anything
+writable and C-contiguous with the buffer protocol (numpy array of any dtype, bytearray,
+memoryview, mmap) or an object numpy can view without copying (`__array_interface__`, e.g.
+`tensor.numpy()` of a CPU tensor). A chunk that does not fit its destination is misuse (the
+engine sized its cache for KV of another shape): the Fetch is cancelled and
+`BufferTooSmallError` is raised.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,14 @@ import numpy.typing as npt
 from ._errors import BufferTooSmallError, UsageError
 
 ByteArray = npt.NDArray[np.uint8]
+# One chunk's destination: a buffer, or a list of buffers filled in order.
+ChunkDestination = Any
+ChunkDestinationFn = Callable[[int, int], ChunkDestination]
 
 
-def byte_view(into: Any) -> ByteArray:
-    """`into` as a flat, writable uint8 array sharing its memory; UsageError if impossible."""
+def byte_view(into: Any, what: str = "into", *, writable: bool = True) -> ByteArray:
+    """`into` as a flat uint8 array sharing its memory (writable unless told otherwise, for a
+    buffer the library only reads); UsageError if impossible."""
     if isinstance(into, np.ndarray):
         array = into
     else:
@@ -42,53 +47,71 @@ def byte_view(into: Any) -> ByteArray:
         except TypeError:
             if not hasattr(into, "__array_interface__"):
                 raise UsageError(
-                    f"into: expected a writable buffer (numpy array, bytearray, memoryview), "
+                    f"{what}: expected a writable buffer (numpy array, bytearray, memoryview), "
                     f"got {type(into).__name__}"
                 ) from None
             array = np.asarray(into)
         else:
-            if view.readonly:
-                raise UsageError(f"into: the {type(into).__name__} is read-only")
+            if view.readonly and writable:
+                raise UsageError(f"{what}: the {type(into).__name__} is read-only")
             if not view.c_contiguous:
-                raise UsageError("into: the buffer is not C-contiguous")
+                raise UsageError(f"{what}: the buffer is not C-contiguous")
             array = np.frombuffer(view.cast("B"), dtype=np.uint8)
     if not array.flags.c_contiguous:
-        raise UsageError("into: the array is not C-contiguous")
-    if not array.flags.writeable:
-        raise UsageError("into: the array is read-only")
+        raise UsageError(f"{what}: the array is not C-contiguous")
+    if writable and not array.flags.writeable:
+        raise UsageError(f"{what}: the array is read-only")
     flat: ByteArray = array.reshape(-1).view(np.uint8)
-    if flat.size == 0:
-        raise UsageError("into: the buffer has no room (0 bytes)")
     return flat
 
 
+def _parts(destination: ChunkDestination, what: str) -> list[memoryview]:
+    """A per-chunk destination as writable byte views, in fill order."""
+    if isinstance(destination, list | tuple):
+        return [byte_view(d, f"{what}[{i}]").data for i, d in enumerate(destination)]
+    return [byte_view(destination, what).data]
+
+
+def _scatter(data: memoryview, parts: list[memoryview]) -> None:
+    """Copies `data` across `parts` in order (the caller checked that it fits)."""
+    pos = 0
+    for part in parts:
+        if pos >= len(data):
+            break
+        n = min(len(part), len(data) - pos)
+        part[:n] = data[pos : pos + n]
+        pos += n
+
+
 class IntoBuffer:
-    """The caller's buffer: each chunk is copied straight to its place, once."""
+    """The caller's one buffer: each chunk is copied straight to its place, back to back."""
 
     def __init__(self, into: Any) -> None:
         self._array = byte_view(into)
+        if self._array.size == 0:
+            raise UsageError("into: the buffer has no room (0 bytes)")
         self._view = self._array.data  # a writable 1-D byte memoryview
         self.capacity: int | None = self._array.size
         self.nbytes = 0
 
-    def place(self, data: memoryview, chunks_loaded: int) -> memoryview:
+    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
         """Copies one verified payload after the previous one; returns where it landed."""
         start = self.nbytes
         end = start + len(data)
         if end > self._array.size:
             raise BufferTooSmallError(
-                f"into holds {self._array.size} bytes; chunk {chunks_loaded} needs bytes "
+                f"into holds {self._array.size} bytes; chunk {chunk_id} needs bytes "
                 f"{start}..{end} (chunks are placed back to back in request order)",
                 needed=end,
                 available=self._array.size,
-                chunks_loaded=chunks_loaded,
+                chunks_loaded=index,
                 bytes_loaded=start,
             )
         self._view[start:end] = data  # the one copy
         self.nbytes = end
         return self._view[start:end]
 
-    def array(self) -> ByteArray:
+    def array(self) -> ByteArray | None:
         return self._array[: self.nbytes]
 
 
@@ -101,12 +124,12 @@ class OwnedBuffer:
         self._parts: list[memoryview] = []
         self.nbytes = 0
 
-    def place(self, data: memoryview, chunks_loaded: int) -> memoryview:
+    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
         self._parts.append(data)
         self.nbytes += len(data)
         return data
 
-    def array(self) -> ByteArray:
+    def array(self) -> ByteArray | None:
         out = np.empty(self.nbytes, dtype=np.uint8)
         view = out.data
         pos = 0
@@ -117,8 +140,62 @@ class OwnedBuffer:
         return out
 
 
-Destination = IntoBuffer | OwnedBuffer
+class ChunkBuffers:
+    """One destination per chunk: from a sequence (by request order) or a callable (asked with
+    the chunk id and its size). The result has no single array (`LoadResult.data` is None)."""
+
+    def __init__(self, into: Sequence[ChunkDestination] | ChunkDestinationFn) -> None:
+        self._sequence: Sequence[ChunkDestination] | None = None
+        self._function: ChunkDestinationFn | None = None
+        if callable(into):
+            self._function = into
+            self.capacity: int | None = None
+        else:
+            self._sequence = into
+            if not into:
+                raise UsageError("into: the sequence of chunk destinations is empty")
+            # Checked now, so a bad entry is misuse before any byte moves.
+            self._checked = [_parts(d, f"into[{i}]") for i, d in enumerate(into)]
+            self.capacity = sum(len(p) for parts in self._checked for p in parts)
+        self.nbytes = 0
+
+    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+        if self._function is not None:
+            parts = _parts(self._function(chunk_id, len(data)), f"into({chunk_id}, {len(data)})")
+        elif index < len(self._checked):
+            parts = self._checked[index]
+        else:
+            raise BufferTooSmallError(
+                f"into has {len(self._checked)} chunk destinations; chunk {chunk_id} is "
+                f"number {index + 1}",
+                needed=self.nbytes + len(data),
+                available=self.nbytes,
+                chunks_loaded=index,
+                bytes_loaded=self.nbytes,
+            )
+        room = sum(len(p) for p in parts)
+        if room < len(data):
+            raise BufferTooSmallError(
+                f"chunk {chunk_id} is {len(data)} bytes; its destination holds {room}",
+                needed=len(data),
+                available=room,
+                chunks_loaded=index,
+                bytes_loaded=self.nbytes,
+            )
+        _scatter(data, parts)  # the one copy
+        self.nbytes += len(data)
+        return parts[0][: len(data)] if len(parts) == 1 else data
+
+    def array(self) -> ByteArray | None:
+        return None
+
+
+Destination = IntoBuffer | OwnedBuffer | ChunkBuffers
 
 
 def destination_for(into: Any) -> Destination:
-    return OwnedBuffer() if into is None else IntoBuffer(into)
+    if into is None:
+        return OwnedBuffer()
+    if callable(into) or isinstance(into, list | tuple):
+        return ChunkBuffers(into)
+    return IntoBuffer(into)

@@ -1,8 +1,14 @@
-"""What the sync and the async client share besides a load: settings, channel options,
-metadata, argument checks, first-contact bookkeeping and the fallback policy. No I/O.
+"""What the sync and the async consumer share besides a load: settings, argument checks, what
+the client knows of its producer, and the fallback policy. No I/O.
 
 `KVConsumer` and `AsyncKVConsumer` each own one `ClientCore` and differ only in how they wait
 (threads vs. asyncio). Keeping the decisions here means the two cannot drift apart.
+
+No call waits for another. A load needs nothing but its own Fetch (the TransferDone carries the
+producer's epoch), and a unary call nothing but itself. What the client wants to know of its
+producer (`info`: timeouts to check, the chunk limit, the advertised address) is read by one
+background ServerInfo call after first use, and again after the producer went away or
+answered EPOCH_MISMATCH, never on a call's critical path.
 """
 
 from __future__ import annotations
@@ -20,149 +26,139 @@ from kvpark.ids import check_id
 from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import destination_for
+from ._channel import ChannelSettings
 from ._errors import ClientClosedError, LoadFailedError, UsageError
 from ._models import IdStatus, ProducerInfo
-from ._result import LoadPath, LoadReport, LoadResult, Reason
+from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk
-from ._timeouts import Timeout
+from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
 
 log = logging.getLogger("kvpark.client")
 
 SERVICE = "/kvpark.v1.KVProducer/"
 FETCH_METHOD = SERVICE + "Fetch"
-# Room for a FetchResponse's framing around a max_chunk_bytes payload (a few bytes are
-# needed; the producer uses the same margin).
-FRAME_MARGIN_BYTES = 64 * 1024
-# Receive limit before ServerInfo is known: the spec's default max_chunk_bytes (16 MiB). First
-# contact raises it (by rebuilding the idle channel) if the producer allows larger chunks.
-DEFAULT_MAX_CHUNK_BYTES = 16 * 1024 * 1024
-# Unary calls (ServerInfo, Lookup, KeepAlive, Release) answer in about a round trip.
-DEFAULT_RPC_TIMEOUT_S = 10.0
-# Transport keepalive while a call is open: a producer that vanished without closing the
-# connection (network cut, frozen host) is noticed within about PING + TIMEOUT seconds. The
-# producer permits pings every 1 s. A killed process is noticed at once (the kernel resets
-# the connection), without waiting for a ping.
-KEEPALIVE_PING_MS = 2_000
-KEEPALIVE_TIMEOUT_MS = 2_000
-# Reconnect quickly after a producer restart: a decode worker should see the new process (and
-# its EPOCH_MISMATCH answers) within a second or two, not after grpc's default 120 s backoff.
-# (Not grpc.min_reconnect_backoff_ms: grpc core also uses it as the minimum time a connection
-# attempt may take, default 20 s; lowering it fails slow handshakes, e.g. TLS on a busy node.)
-RECONNECT_BACKOFF_MS = (100, 2_000)  # initial, max
-MAX_IDS_PER_CALL = 10_000
+# The producer takes at most this many ids per Lookup or KeepAlive; longer lists are split.
+MAX_IDS_PER_CALL = 1_000
+# Deadline of the background ServerInfo call when the client's timeout is unbounded.
+INFO_TIMEOUT_S = 10.0
+# A confirmation is one round trip; it gets this long, and closing a client waits at most
+# CONFIRM_FLUSH_S for the ones still queued (an unconfirmed id is freed by the producer after
+# its delivery_grace_s anyway).
+CONFIRM_TIMEOUT_S = 5.0
+CONFIRM_FLUSH_S = 2.0
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
-Fallback = Literal["recompute", "raise"]
+Policy = Literal["recompute", "fail"]
+POLICIES: tuple[Policy, ...] = ("recompute", "fail")
 T = TypeVar("T")
+RecomputeFn = Callable[[int], T]
 
 
 class TimeoutConfigWarning(UserWarning):
     """The client's load timeout is not below the producer's tombstone_retention_s: a late
-    fetch could see UNKNOWN_ID instead of the real reason (spec §5)."""
+    fetch could see UNKNOWN_ID instead of the real reason."""
 
 
 class ClientCore:
     def __init__(
-        self,
-        target: str,
-        *,
-        timeout: Timeout | float | None,
-        token: str | None,
-        credentials: grpc.ChannelCredentials | None,
-        channel_options: Sequence[tuple[str, Any]],
-        interceptors: Sequence[Any],
+        self, channel: ChannelSettings, *, timeout: Timeout | float | None, confirm: bool
     ) -> None:
-        if not isinstance(target, str) or not target:
-            raise UsageError(f"target: expected 'host:port', got {target!r}")
-        if token is not None and (not isinstance(token, str) or not token or "\n" in token):
-            raise UsageError("token: expected a non-empty one-line string")
-        self.target = target
-        self.timeout = Timeout.coerce(timeout, Timeout())
-        self.credentials = credentials
-        self.interceptors = tuple(interceptors)
-        self.metadata: tuple[tuple[str, str], ...] | None = (
-            (("authorization", f"Bearer {token}"),) if token else None
-        )
-        self._extra_options = dict(channel_options)
-        self.max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+        if not isinstance(confirm, bool):
+            raise UsageError(f"confirm: expected True or False, got {confirm!r}")
+        self.channel = channel
+        self.timeout = to_timeout(timeout)
+        self.confirm = confirm
         self.info: ProducerInfo | None = None
         self.closed = False
-        self._warned = False
-        self._warn_lock = threading.Lock()
+        # True while a background ServerInfo call is out (at most one at a time).
+        self.info_pending = False
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
 
-    # ------------------------------------------------------------------------------ channel
-    def channel_options(self) -> list[tuple[str, Any]]:
-        options: dict[str, Any] = {
-            "grpc.max_receive_message_length": self.max_chunk_bytes + FRAME_MARGIN_BYTES,
-            "grpc.keepalive_time_ms": KEEPALIVE_PING_MS,
-            "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
-            "grpc.keepalive_permit_without_calls": 0,
-            "grpc.http2.max_pings_without_data": 0,
-            "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
-            "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[1],
-            # Larger HTTP/2 frames and socket reads for multi-MiB chunks: fewer, bigger copies
-            # in gRPC's receive path (docs/performance.md: -12 % client CPU per GB).
-            "grpc.http2.max_frame_size": 16 * 1024 * 1024 - 1,
-            "grpc.experimental.tcp_min_read_chunk_size": 4 * 1024 * 1024,
-            "grpc.experimental.tcp_max_read_chunk_size": 8 * 1024 * 1024,
-        }
-        options.update(self._extra_options)  # the caller's options win
-        return list(options.items())
+    @property
+    def target(self) -> str:
+        return self.channel.target
 
-    def accept_info(self, info: ProducerInfo, *, channel_fresh: bool) -> bool:
-        """Records a ServerInfo read. True when the channel must be rebuilt because the
-        producer accepts chunks larger than the channel's receive limit; that is only done
-        while the channel has carried nothing but this ServerInfo call (closing a busy one
-        would cancel its loads), otherwise larger chunks fail as RPC_ERROR and we say so."""
-        self.info = info
-        self.check_timeout(self.timeout)
-        if info.max_chunk_bytes <= self.max_chunk_bytes:
-            return False
-        if channel_fresh:
-            self.max_chunk_bytes = info.max_chunk_bytes
+    # ------------------------------------------------------------------------ what we know
+    def want_info(self) -> bool:
+        """True (and the caller must then read ServerInfo in the background) when the client
+        knows nothing of its producer and nobody is asking yet."""
+        with self._lock:
+            if self.closed or self.info is not None or self.info_pending:
+                return False
+            self.info_pending = True
             return True
-        log.warning(
-            "producer %s now accepts %d-byte chunks, above this client's receive limit of %d: "
-            "recreate the client to load them",
-            self.target,
-            info.max_chunk_bytes,
-            self.max_chunk_bytes,
-        )
-        return False
 
-    def note_status(self, code: grpc.StatusCode | None) -> None:
-        """After UNAVAILABLE the producer may come back as a new process: read ServerInfo
-        again on the next contact."""
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self.info = None
+    def info_done(self, info: ProducerInfo | None) -> None:
+        """The background ServerInfo call ended (`info` None: it failed; the next call will
+        try again)."""
+        with self._lock:
+            self.info_pending = False
+            if info is not None:
+                self.info = info
+        if info is not None:
+            self.check_timeout(self.timeout)
+            if info.max_chunk_bytes > self.channel.max_chunk_bytes:
+                self._warn_once(
+                    "chunk-limit",
+                    f"producer {self.target} accepts {info.max_chunk_bytes}-byte chunks, above "
+                    f"this client's max_chunk_bytes ({self.channel.max_chunk_bytes}): larger "
+                    "chunks will fail; pass max_chunk_bytes= to the client",
+                )
+
+    def set_info(self, info: ProducerInfo) -> ProducerInfo:
+        """A ServerInfo read by an explicit call."""
+        with self._lock:
+            self.info = info
+        self.check_timeout(self.timeout)
+        return info
+
+    def info_timeout_s(self) -> float:
+        return self.timeout.total_s or INFO_TIMEOUT_S
+
+    def note_status(self, code: grpc.StatusCode | None, reason: Reason | None = None) -> None:
+        """After UNAVAILABLE or EPOCH_MISMATCH the producer may be a new process: forget what
+        the client knew of it (the next call reads it again, in the background)."""
+        if code == grpc.StatusCode.UNAVAILABLE or reason is Reason.EPOCH_MISMATCH:
+            with self._lock:
+                self.info = None
 
     def check_timeout(self, timeout: Timeout) -> None:
         """Warns once per client if `timeout` can outlast the producer's tombstones."""
         info = self.info
-        if info is None or self._warned:
+        if info is None:
             return
-        longest = timeout.longest_s
+        longest = timeout.total_s
         if longest is not None and longest < info.tombstone_retention_s:
             return
-        with self._warn_lock:
-            if self._warned:
-                return
-            self._warned = True
         shown = "unbounded" if longest is None else f"{longest:g}s"
-        message = (
+        self._warn_once(
+            "timeout",
             f"kvpark client load timeout ({shown}) is not below producer {self.target}'s "
             f"tombstone_retention_s ({info.tombstone_retention_s:g}s): a late fetch could see "
-            "UNKNOWN_ID instead of the real reason"
+            "UNKNOWN_ID instead of the real reason",
+            TimeoutConfigWarning,
         )
+
+    def _warn_once(self, key: str, message: str, category: type[Warning] | None = None) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
         log.warning(message)
-        warnings.warn(message, TimeoutConfigWarning, stacklevel=4)
+        if category is not None:
+            warnings.warn(message, category, stacklevel=4)
 
     def check_open(self) -> None:
         if self.closed:
             raise ClientClosedError(f"the kvpark client for {self.target} is closed")
 
     # ------------------------------------------------------------------------------ requests
+    def call_deadline(self, timeout: TimeoutArg) -> float | None:
+        """A unary call's gRPC deadline under the timeout rule (None: no deadline)."""
+        return resolve(timeout, self.timeout).total_s
+
     def begin_load(
         self,
         kv_request_id: str,
@@ -171,7 +167,7 @@ class ClientCore:
         num_chunks: int | None,
         into: Any,
         expected_epoch: int,
-        timeout: Timeout | float | None,
+        timeout: TimeoutArg,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
     ) -> LoadSession:
@@ -186,7 +182,7 @@ class ClientCore:
         wait = _seconds("wait_timeout_s", wait_timeout_s)
         if on_chunk is not None and not callable(on_chunk):
             raise UsageError("on_chunk: expected a callable")
-        load_timeout = Timeout.coerce(timeout, self.timeout)
+        load_timeout = resolve(timeout, self.timeout)
         self.check_timeout(load_timeout)
         return LoadSession(
             kv_request_id=kid,
@@ -199,23 +195,20 @@ class ClientCore:
         )
 
     def finish_load(self, session: LoadSession) -> LoadResult:
-        result = session.result(self.info.producer_epoch if self.info else None)
-        self.note_status(result.grpc_code)
-        if result.reason is Reason.EPOCH_MISMATCH:
-            self.info = None  # the producer restarted: re-read its ServerInfo
+        info = self.info
+        result = session.result(info.producer_epoch if info else None)
+        self.note_status(result.grpc_code, result.reason)
         return result
+
+    def should_confirm(self, result: LoadResult, confirm: bool | None) -> bool:
+        wanted = self.confirm if confirm is None else confirm
+        return wanted and result.ok and result.delivery_id != 0 and not self.closed
 
 
 class ClientBase:
-    """What `KVConsumer` and `AsyncKVConsumer` share that does not wait on anything: settings,
-    first-contact state and their read-only surface."""
+    """The read-only surface every client shares (consumers and parkers, sync and async)."""
 
-    def __init__(self, target: str, **settings: Any) -> None:
-        # `settings` are ClientCore's keyword arguments, spelled out on the public classes.
-        self._core = ClientCore(target, **settings)
-        # True while the open channel has carried nothing but first contact (it may then be
-        # rebuilt with a larger receive limit without disturbing any call).
-        self._fresh = False
+    _core: ClientCore
 
     @property
     def target(self) -> str:
@@ -223,13 +216,13 @@ class ClientBase:
 
     @property
     def timeout(self) -> Timeout:
-        """The default load timeout."""
+        """The default timeout of every call."""
         return self._core.timeout
 
     @property
     def info(self) -> ProducerInfo | None:
-        """The producer's ServerInfo as of first contact (None before it, and again after the
-        producer went away or answered EPOCH_MISMATCH, until the next contact)."""
+        """The producer's ServerInfo, read in the background after first use (None until then,
+        and again after the producer went away or answered EPOCH_MISMATCH)."""
         return self._core.info
 
     @property
@@ -238,10 +231,6 @@ class ClientBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
-
-    def _accept_info(self, msg: Any) -> bool:
-        """Records a ServerInfo answer; True when the channel must be rebuilt."""
-        return self._core.accept_info(ProducerInfo.from_proto(msg), channel_fresh=self._fresh)
 
 
 # ------------------------------------------------------------------------ unary messages
@@ -253,6 +242,18 @@ def keepalive_requests(kv_request_ids: Iterable[str], extend_s: float) -> list[A
     extend = extend_seconds(extend_s)
     ids = valid_ids(kv_request_ids)
     return [pb.KeepAliveRequest(kv_request_ids=b, extend_s=extend) for b in batches(ids)]
+
+
+def release_request(kv_request_id: str, delivery_id: int = 0) -> Any:
+    return pb.ReleaseRequest(kv_request_id=valid_id(kv_request_id), delivery_id=delivery_id)
+
+
+def confirm_request(result: LoadResult) -> Any:
+    if not isinstance(result, LoadResult):
+        raise UsageError(f"confirm: expected a LoadResult, got {type(result).__name__}")
+    if not (result.ok and result.delivery_id):
+        raise UsageError("confirm: only a successful load names a delivery to confirm")
+    return release_request(result.kv_request_id, result.delivery_id)
 
 
 def states_of(reply: Any) -> list[IdStatus]:
@@ -289,10 +290,6 @@ def _seconds(name: str, value: float) -> float:
     return float(value)
 
 
-def rpc_timeout(value: float | None) -> float | None:
-    return None if value is None else (_seconds("timeout", value) or None)
-
-
 def extend_seconds(value: float) -> float:
     return _seconds("extend_s", value)
 
@@ -322,18 +319,18 @@ def _chunk_ids(chunk_ids: Iterable[int] | None, num_chunks: int | None) -> tuple
 
 
 # -------------------------------------------------------------------------------- fallback
-def check_fallback(fallback: str, recompute: object) -> None:
-    if fallback not in ("recompute", "raise"):
-        raise UsageError(f"fallback: expected 'recompute' or 'raise', got {fallback!r}")
-    if fallback == "recompute" and not callable(recompute):
+def check_policy(policy: str, recompute: object) -> None:
+    if policy not in POLICIES:
+        raise UsageError(f"policy: expected 'recompute' or 'fail', got {policy!r}")
+    if policy == "recompute" and not callable(recompute):
         raise UsageError("recompute: expected a callable taking the first missing chunk id")
 
 
-def fallback_plan(result: LoadResult, fallback: str) -> int | None:
+def fallback_plan(result: LoadResult, policy: str) -> int | None:
     """The chunk id to recompute from (None: nothing to do), or LoadFailedError."""
     if result.ok:
         return None
-    if fallback == "raise":
+    if policy == "fail":
         raise LoadFailedError(result)
     first = result.first_missing_chunk
     if first is None:  # not built so (a failed result always misses a chunk); stay total
@@ -349,12 +346,4 @@ def fallback_plan(result: LoadResult, fallback: str) -> int | None:
 
 
 def report(result: LoadResult, first: int | None, value: T | None) -> LoadReport[T]:
-    return LoadReport(
-        result=result,
-        path=LoadPath.REMOTE if first is None else result.path,
-        recomputed_from=first,
-        recompute_value=value,
-    )
-
-
-RecomputeFn = Callable[[int], T]
+    return LoadReport(result=result, recomputed_from=first, recompute_value=value)

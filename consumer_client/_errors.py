@@ -1,4 +1,4 @@
-"""The client's exceptions and THE one mapping from gRPC status codes to them (style.md §4).
+"""The client's exceptions and THE one mapping from gRPC status codes to them.
 
 Loads report expected failures as values (`LoadResult.reason`); unary calls (`server_info`,
 `lookup`, `extend_leases`, `release`) raise. Both consult `classify_status`, the only place
@@ -26,8 +26,8 @@ class KVParkError(Exception):
     """Base of every exception the client raises."""
 
 
-class UsageError(KVParkError, ValueError, TypeError):
-    """Misuse: bad arguments (id, chunk ids, timeout, buffer). Also a ValueError/TypeError."""
+class UsageError(KVParkError, ValueError):
+    """Misuse: bad arguments (id, chunk ids, timeout, buffer). Also a ValueError."""
 
 
 class BufferTooSmallError(UsageError):
@@ -82,7 +82,7 @@ class ProtocolError(RPCError):
 
 
 class LoadFailedError(KVParkError):
-    """`load_or_recompute(fallback="raise")` and the load failed; `result` says how."""
+    """`load_or_recompute(policy="fail")` and the load failed; `result` says how."""
 
     def __init__(self, result: LoadResult) -> None:
         super().__init__(

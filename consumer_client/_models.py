@@ -23,6 +23,7 @@ class State(enum.StrEnum):
     PARKED = "PARKED"
     BOUND = "BOUND"
     TOMBSTONED = "TOMBSTONED"
+    DELIVERED = "DELIVERED"
 
     @classmethod
     def from_proto(cls, value: int) -> State:
@@ -85,6 +86,11 @@ class ProducerInfo:
     consumer_load_timeout_s: float
     max_lease_s: float
     max_fetch_wait_s: float
+    park_idle_timeout_s: float
+    delivery_grace_s: float
+    fetch_stall_timeout_s: float
+    max_batch_bytes: int
+    advertise_address: str
 
     @classmethod
     def from_proto(cls, msg: Any) -> ProducerInfo:
@@ -99,19 +105,26 @@ class ProducerInfo:
             consumer_load_timeout_s=msg.consumer_load_timeout_s,
             max_lease_s=msg.max_lease_s,
             max_fetch_wait_s=msg.max_fetch_wait_s,
+            park_idle_timeout_s=msg.park_idle_timeout_s,
+            delivery_grace_s=msg.delivery_grace_s,
+            fetch_stall_timeout_s=msg.fetch_stall_timeout_s,
+            max_batch_bytes=msg.max_batch_bytes,
+            advertise_address=msg.advertise_address,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseResult:
-    """The answer to Release: ok, or the reason it was refused (UNKNOWN_ID, ALREADY_BOUND, or
-    the tombstone's reason)."""
+    """The answer to Release (giving an id up, or confirming a delivery): ok, or the reason it
+    was refused (UNKNOWN_ID, ALREADY_BOUND, or the tombstone's reason) and the detail."""
 
     kv_request_id: str
     ok: bool
     reason: Reason | None
+    detail: str = ""
 
     @classmethod
     def from_proto(cls, kv_request_id: str, msg: Any) -> ReleaseResult:
         ok = msg.status == pb.STATUS_OK
-        return cls(kv_request_id, ok, None if ok else Reason.from_proto(msg.reason))
+        reason = None if ok else Reason.from_proto(msg.reason)
+        return cls(kv_request_id, ok, reason, msg.detail)

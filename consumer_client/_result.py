@@ -1,7 +1,7 @@
 """What a load returns: `LoadResult`, its `Reason`, and the path `load_or_recompute` took.
 
-Expected outcomes are values (style.md §4): a reaped id, a producer that stalled past the
-timeout, a connection that broke, a chunk whose checksum is wrong — all come back as a frozen
+Expected outcomes are values: a reaped id, a producer that stalled past the timeout, a
+connection that broke, a chunk whose checksum is wrong — all come back as a frozen
 `LoadResult` with `ok=False` and a `Reason`. Exceptions are left for misuse and bugs.
 
 `Reason` is one string enum for both origins, so an engine switches on one type:
@@ -47,6 +47,8 @@ class Reason(enum.StrEnum):
     CHUNK_CONFLICT = "CHUNK_CONFLICT"
     # Also the client's: a received chunk whose bytes do not match its CRC32C.
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
+    NOT_COMMITTED = "NOT_COMMITTED"
+    COMMIT_MISMATCH = "COMMIT_MISMATCH"
 
     # --- the client's own reasons ------------------------------------------------------------
     # The load timeout (total, first-chunk or size-scaled) fired; the RPC was cancelled.
@@ -122,9 +124,15 @@ class LoadResult:
     producer_epoch: int
     # The gRPC status the call ended with when it ended with an error status; None otherwise.
     grpc_code: grpc.StatusCode | None = None
-    # The loaded bytes: a uint8 view of the caller's `into` (its first `bytes` bytes),
-    # or a new array the result owns when no `into` was given.
-    data: npt.NDArray[np.uint8] = field(compare=False, hash=False, repr=False)
+    # Names the delivery when ok (the producer's TransferDone.delivery_id); the client confirms
+    # it unless told not to (see `KVConsumer.confirm`). 0 when not ok.
+    delivery_id: int = 0
+    # Which transport carried the bytes.
+    transport: str = "grpc"
+    # The loaded bytes: a uint8 view of the caller's one `into` buffer (its first `bytes`
+    # bytes), a new array the result owns when no `into` was given, or None when `into` named
+    # one destination per chunk.
+    data: npt.NDArray[np.uint8] | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def first_missing_chunk(self) -> int | None:
@@ -155,19 +163,55 @@ class LoadResult:
         return tuple(offsets)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParkResult:
+    """The outcome of one `park()` or one batch. Frozen. A refusal is a value like a failed
+    load: `ok=False` and a `Reason` (POOL_FULL, TOO_LARGE, CHUNK_CONFLICT, REAPED, ...)."""
+
+    kv_request_id: str
+    ok: bool
+    # None when ok; otherwise why the batch was refused (nothing of it was kept).
+    reason: Reason | None
+    # Human-readable detail (the producer's or the client's); never parse it.
+    detail: str
+    # The id's chunks and payload bytes on the producer after this batch (all batches).
+    chunks_parked: int = 0
+    bytes_parked: int = 0
+    # The id's total chunk count, once declared or fixed by a commit; 0 when not known.
+    total_chunks: int = 0
+    # Seconds until the id's lease runs out, as of the answer.
+    lease_remaining_s: float = 0.0
+    # With POOL_FULL: when the producer expects room (the last answer's value).
+    retry_after_s: float = 0.0
+    # The producer process's epoch; a decode worker passes it as `expected_epoch`.
+    producer_epoch: int = 0
+    # host:port decode workers dial to reach this producer, if it advertises one.
+    advertise_address: str = ""
+    # Park calls made (POOL_FULL is retried while the timeout allows) and wall time in all.
+    attempts: int = 1
+    elapsed_s: float = 0.0
+    # The gRPC status the last call ended with when it ended with an error status.
+    grpc_code: grpc.StatusCode | None = None
+    # Which transport carried the bytes.
+    transport: str = "grpc"
+
+
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadReport(Generic[T]):
-    """What `load_or_recompute` did: the load's result, the path taken and, when the engine
-    was asked to recompute, from which chunk and what `recompute` returned."""
+    """What `load_or_recompute` did: the load's result and, when the engine was asked to
+    recompute, from which chunk and what `recompute` returned."""
 
     result: LoadResult
-    path: LoadPath
     # The argument `recompute` was called with; None when the load succeeded.
     recomputed_from: int | None
     recompute_value: T | None = None
+
+    @property
+    def path(self) -> LoadPath:
+        return self.result.path
 
     @property
     def reason(self) -> Reason | None:

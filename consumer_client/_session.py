@@ -4,14 +4,16 @@ The clients only move bytes: they start the Fetch, hand every received message t
 `LoadSession.feed`, report how the stream ended (`stream_ended`, `rpc_failed`), cancel the call
 when the session says so, and ask for the `result()`. Everything else lives here once: the
 request bytes, the deadlines, frame parsing, the chunk-order and CRC32C checks, placement into
-the destination, the in-band TransferDone, and what each ending means.
+the destination, the in-band TransferDone, and what each ending means. A load needs no other
+call: the TransferDone carries the producer's epoch and the delivery's id.
 
 How a stream may end, and what the session decides:
 
     TransferDone OK, every requested chunk verified       -> ok
     TransferDone FAILED                                   -> the producer's reason, at once (no
                                                              cancel: the stream is over)
-    a chunk out of order, a malformed frame, no Done      -> PROTOCOL_ERROR, client cancels
+    a chunk out of order or without a CRC, a malformed
+    frame, no Done                                        -> PROTOCOL_ERROR, client cancels
     a chunk whose CRC32C does not match                   -> CHECKSUM_MISMATCH, client cancels
     our first-chunk watchdog cancelled / deadline passed  -> TIMEOUT
     any other gRPC status                                 -> `classify_status` decides (value or
@@ -89,11 +91,12 @@ class LoadSession:
             wait_timeout_s=wait_timeout_s,
         ).SerializeToString()
         self.chunks_loaded = 0
-        self.got_message = False
         self._sizes: list[int] = []
         # The decided outcome: (reason or None for ok, detail, grpc code). None = undecided.
         self._outcome: tuple[Reason | None, str, grpc.StatusCode | None] | None = None
-        self.extra_messages = 0
+        # From the producer's TransferDone: its epoch, and the delivery a success names.
+        self.producer_epoch = 0
+        self.delivery_id = 0
 
     # ------------------------------------------------------------------------------ deadlines
     def remaining_s(self) -> float | None:
@@ -108,20 +111,6 @@ class LoadSession:
             return None
         return max(0.0, self.first_chunk_deadline - self._clock())
 
-    def contact_timeout_s(self, fallback_s: float) -> float:
-        """Deadline for first contact inside this load: what is left of the load's limits (the
-        first-chunk one included: nothing has arrived yet), or `fallback_s` when unbounded."""
-        left = [t for t in (self.remaining_s(), self.first_chunk_remaining_s()) if t is not None]
-        return min(left) if left else fallback_s
-
-    def out_of_time(self) -> bool:
-        """True (and the outcome decided TIMEOUT) when no time is left to start the Fetch."""
-        left = [t for t in (self.remaining_s(), self.first_chunk_remaining_s()) if t is not None]
-        if left and min(left) <= 0:
-            self._decide(Reason.TIMEOUT, "load timeout spent before the Fetch started")
-            return True
-        return False
-
     @property
     def decided(self) -> bool:
         return self._outcome is not None
@@ -130,9 +119,7 @@ class LoadSession:
     def feed(self, raw: bytes) -> Step:
         """Handles one received FetchResponse (raw bytes). May raise BufferTooSmallError or
         what `on_chunk` raises; the client cancels the call on any exception."""
-        self.got_message = True
-        if self._outcome is not None:  # a message after TransferDone: tolerated, counted
-            self.extra_messages += 1
+        if self._outcome is not None:  # a message after TransferDone: nothing to do with it
             return Step.DONE
         try:
             message = wire.parse_fetch_response(raw)
@@ -158,13 +145,15 @@ class LoadSession:
             return self._abandon(
                 Reason.PROTOCOL_ERROR, f"chunk {chunk.chunk_id} arrived, expected {expected}"
             )
+        if chunk.crc32c is None:
+            return self._abandon(Reason.PROTOCOL_ERROR, f"chunk {expected} came without a CRC32C")
         actual = crc32c_of(chunk.data)
         if actual != chunk.crc32c:
             return self._abandon(
                 Reason.CHECKSUM_MISMATCH,
                 f"chunk {expected}: crc32c {actual:#010x}, producer says {chunk.crc32c:#010x}",
             )
-        landed = self._dest.place(chunk.data, index)
+        landed = self._dest.place(chunk.data, index, expected)
         self.chunks_loaded += 1
         self._sizes.append(len(chunk.data))
         if self._on_chunk is not None:
@@ -172,6 +161,7 @@ class LoadSession:
         return Step.CONTINUE
 
     def _done(self, done: pb.TransferDone) -> Step:
+        self.producer_epoch = done.producer_epoch
         if done.status == pb.STATUS_OK:
             if self.chunk_ids is not None and not self._complete():
                 self._decide(
@@ -185,6 +175,7 @@ class LoadSession:
                     "received",
                 )
             else:
+                self.delivery_id = done.delivery_id
                 self._decide(None, "")
         elif self._complete():
             # Every requested chunk is here and verified; the producer failed the id only after.
@@ -219,28 +210,16 @@ class LoadSession:
         detail = self._timeout_detail("total") if rule.load_reason is Reason.TIMEOUT else details
         self._decide(rule.load_reason, detail, rule.code)
 
-    def contact_failed(self, code: grpc.StatusCode | None, details: str) -> None:
-        """First contact (GetServerInfo) failed before the Fetch could start."""
-        if classify_status(code).load_reason is Reason.TIMEOUT:
-            elapsed = self._clock() - self.started
-            detail = f"load timeout after {elapsed:.3f}s, during first contact (ServerInfo)"
-            self._decide(Reason.TIMEOUT, detail, code)
-            return
-        self.rpc_failed(code, f"first contact: {details}", timed_out=False)
-
     # ------------------------------------------------------------------------------- result
     def result(self, info_epoch: int | None) -> LoadResult:
+        """The outcome. `info_epoch`: the epoch of the client's last ServerInfo, used only when
+        the producer's own answer did not carry one (the call broke before it)."""
         if self._outcome is None:  # the client must decide every path; guard anyway
             self._decide(Reason.PROTOCOL_ERROR, "load ended without an outcome")
         assert self._outcome is not None
         reason, detail, code = self._outcome
         ok = reason is None
-        if reason is Reason.EPOCH_MISMATCH:
-            epoch = 0
-        elif ok and self.expected_epoch:
-            epoch = self.expected_epoch
-        else:
-            epoch = info_epoch or 0
+        epoch = self.producer_epoch or (0 if reason is Reason.EPOCH_MISMATCH else info_epoch or 0)
         result = LoadResult(
             kv_request_id=self.kv_request_id,
             ok=ok,
@@ -253,6 +232,7 @@ class LoadSession:
             elapsed_s=self._clock() - self.started,
             producer_epoch=epoch,
             grpc_code=code,
+            delivery_id=self.delivery_id if ok else 0,
             data=self._dest.array(),
         )
         level = logging.WARNING if reason in _LOUD else logging.DEBUG

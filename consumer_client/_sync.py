@@ -1,16 +1,21 @@
 """`KVConsumer`: the blocking client, on grpc's sync API (no event loop in a thread).
 
 Thread-safe: one client (one channel) serves every thread of a decode worker; loads run
-concurrently as independent streams. All decisions are in `_core` and `_session`; this module
+concurrently as independent streams, and no call waits for another (the lock below only guards
+opening the channel, never a call). All decisions are in `_core` and `_session`; this module
 only waits: it iterates the Fetch stream, arms a `threading.Timer` as the first-chunk watchdog
 (the total timeout is the call's gRPC deadline), and cancels the call when the session gives up
-on it.
+on it. Background work runs on daemon threads: one ServerInfo read after first use, and the
+confirmations of deliveries (one worker thread, so a load returns as soon as it is verified).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -19,27 +24,32 @@ import grpc
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 
+from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
-    DEFAULT_RPC_TIMEOUT_S,
+    CONFIRM_FLUSH_S,
+    CONFIRM_TIMEOUT_S,
     FETCH_METHOD,
     ClientBase,
-    Fallback,
+    ClientCore,
+    Policy,
     T,
-    check_fallback,
+    check_policy,
+    confirm_request,
     fallback_plan,
     keepalive_requests,
     lookup_requests,
+    release_request,
     report,
-    rpc_timeout,
     states_of,
-    valid_id,
 )
-from ._errors import error_from_rpc
+from ._errors import KVParkError, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
-from ._timeouts import Timeout
+from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import KeepAlive
+
+log = logging.getLogger("kvpark.client")
 
 
 class _Watchdog:
@@ -67,46 +77,56 @@ class _Watchdog:
 class KVConsumer(ClientBase):
     """A blocking kvpark client for one producer (`target`, "host:port").
 
-    Use as a context manager or call `close()`. The channel is opened on first use and reused;
-    first contact reads the producer's ServerInfo (`info`).
+    `timeout` is the default of every call (README, "Timeouts"); `confirm` whether successful
+    loads are confirmed to the producer (see `confirm`). Use as a context manager or call
+    `close()`. The channel is opened on first use and reused.
     """
 
     def __init__(
         self,
         target: str,
         *,
-        timeout: Timeout | float | None = None,
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        confirm: bool = True,
     ) -> None:
-        super().__init__(
+        settings = ChannelSettings.build(
             target,
-            timeout=timeout,
             token=token,
             credentials=credentials,
             channel_options=channel_options,
             interceptors=interceptors,
+            max_chunk_bytes=max_chunk_bytes,
         )
+        self._core = ClientCore(settings, timeout=timeout, confirm=confirm)
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self._fetch: Any = None
+        self._confirmer: ThreadPoolExecutor | None = None
+        self._pending: set[futures.Future[None]] = set()
 
     # ---------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Closes the channel; in-flight loads end CANCELLED, other calls ClientClosedError.
-        Idempotent, and prompt: a first contact in progress (which holds the lock) is cut
-        short with the channel rather than waited for."""
-        self._core.closed = True  # from here on no call opens a channel
-        channel = self._channel
-        if channel is not None:
-            channel.close()
-        with self._lock:  # the contact, if one ran, has ended by now
+        """Closes the channel: loads in flight end CANCELLED, other calls ClientClosedError.
+        Confirmations already queued get up to CONFIRM_FLUSH_S to go out first; any left then
+        are dropped (the producer frees those ids after its delivery_grace_s). Idempotent."""
+        with self._lock:
+            self._core.closed = True  # from here on no call opens a channel, nothing queues
+            confirmer, self._confirmer = self._confirmer, None
+            pending, self._pending = self._pending, set()
+        if pending:
+            futures.wait(pending, timeout=CONFIRM_FLUSH_S)
+        if confirmer is not None:
+            confirmer.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
             channel, self._channel = self._channel, None
         if channel is not None:
-            channel.close()  # grpc's close is idempotent
+            channel.close()
 
     def __enter__(self) -> KVConsumer:
         self._core.check_open()
@@ -118,67 +138,64 @@ class KVConsumer(ClientBase):
     ) -> None:  # fmt: skip
         self.close()
 
-    def _open(self) -> None:
-        core = self._core
-        if core.credentials is not None:
-            channel = grpc.secure_channel(core.target, core.credentials, core.channel_options())
-        else:
-            channel = grpc.insecure_channel(core.target, core.channel_options())
-        if core.interceptors:
-            channel = grpc.intercept_channel(channel, *core.interceptors)
-        self._channel = channel
-        self._fresh = True
-        self._stub = kvpark_pb2_grpc.KVProducerStub(channel)
-        # Raw bytes in and out: kvpark.wire parses chunks as views, no protobuf copies.
-        self._fetch = channel.unary_stream(FETCH_METHOD)
-
-    def _contact(self, timeout: float | None, *, refresh: bool = False) -> Any:
-        """Opens the channel and reads ServerInfo on first contact (or when `refresh`, or after
-        the producer went away); returns the stub. Raises grpc.RpcError."""
+    def _stubs(self) -> tuple[Any, Any]:
+        """(stub, raw Fetch callable) of the open channel, opened on first use."""
         with self._lock:
             self._core.check_open()
             if self._channel is None:
-                self._open()
-            if refresh or self._core.info is None:
-                msg = self._stub.GetServerInfo(
-                    pb.GetServerInfoRequest(), timeout=timeout, metadata=self._core.metadata
-                )
-                if self._accept_info(msg):
-                    assert self._channel is not None
-                    self._channel.close()
-                    self._open()
-            self._fresh = False
-            return self._stub
+                self._channel = self._core.channel.open_sync()
+                self._stub = kvpark_pb2_grpc.KVProducerStub(self._channel)
+                # Raw bytes in and out: kvpark.wire parses chunks as views, no protobuf copies.
+                self._fetch = self._channel.unary_stream(FETCH_METHOD)
+            stub, fetch = self._stub, self._fetch
+        if self._core.want_info():
+            threading.Thread(
+                target=self._read_info, args=(stub,), name="kvpark-info", daemon=True
+            ).start()
+        return stub, fetch
+
+    def _read_info(self, stub: Any) -> None:
+        info = None
+        try:
+            msg = stub.GetServerInfo(
+                pb.GetServerInfoRequest(),
+                timeout=self._core.info_timeout_s(),
+                metadata=self._core.channel.metadata,
+            )
+            info = ProducerInfo.from_proto(msg)
+        except grpc.RpcError as exc:
+            log.debug("kvpark: ServerInfo from %s failed: %s", self.target, exc.code())
+        finally:
+            self._core.info_done(info)
 
     # -------------------------------------------------------------------------- unary calls
-    def _unary(
-        self, method: str | None, request: Any, timeout: float | None, *, refresh: bool = False
-    ) -> Any:
-        """Contact, then one unary call (`method` None: contact only); gRPC errors become our
-        exceptions (classify_status)."""
-        timeout = rpc_timeout(timeout)
+    def _unary(self, method: str, request: Any, timeout: TimeoutArg) -> Any:
+        """One unary call under the timeout rule; gRPC errors become our exceptions."""
+        deadline = self._core.call_deadline(timeout)
+        stub, _ = self._stubs()
         try:
-            stub = self._contact(timeout, refresh=refresh)
-            if method is None:
-                return None
-            return getattr(stub, method)(request, timeout=timeout, metadata=self._core.metadata)
+            return getattr(stub, method)(
+                request, timeout=deadline, metadata=self._core.channel.metadata
+            )
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.CANCELLED:
                 self._core.check_open()  # cancelled by close(): ClientClosedError
             self._core.note_status(exc.code())
-            raise error_from_rpc(exc, method or "GetServerInfo") from None
+            raise error_from_rpc(exc, method) from None
 
     def server_info(
-        self, *, refresh: bool = False, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, *, refresh: bool = False, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> ProducerInfo:
-        """The producer's epoch, limits and timeouts, read on first contact; `refresh` reads
-        them again (e.g. for pool_free_bytes)."""
-        self._unary(None, None, timeout, refresh=refresh)
-        assert self._core.info is not None
-        return self._core.info
+        """The producer's epoch, limits and timeouts. Answered from what the client knows
+        unless `refresh` or it knows nothing yet (then one GetServerInfo call)."""
+        known = self._core.info
+        if known is not None and not refresh:
+            return known
+        msg = self._unary("GetServerInfo", pb.GetServerInfoRequest(), timeout)
+        return self._core.set_info(ProducerInfo.from_proto(msg))
 
     def lookup(
-        self, kv_request_ids: Iterable[str], *, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, kv_request_ids: Iterable[str], *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> list[IdStatus]:
         """The state of each id, in order."""
         out: list[IdStatus] = []
@@ -191,9 +208,9 @@ class KVConsumer(ClientBase):
         kv_request_ids: Iterable[str],
         extend_s: float = 0.0,
         *,
-        timeout: float | None = DEFAULT_RPC_TIMEOUT_S,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> list[IdStatus]:
-        """One KeepAlive call: leases last at least `extend_s` more (0 = the producer's
+        """One KeepAlive round: leases last at least `extend_s` more (0 = the producer's
         unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop."""
         out: list[IdStatus] = []
         for request in keepalive_requests(kv_request_ids, extend_s):
@@ -201,12 +218,25 @@ class KVConsumer(ClientBase):
         return out
 
     def release(
-        self, kv_request_id: str, *, timeout: float | None = DEFAULT_RPC_TIMEOUT_S
+        self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
     ) -> ReleaseResult:
-        """Gives an id up on the producer (frees its memory, tombstones it RELEASED)."""
-        kid = valid_id(kv_request_id)
-        msg = self._unary("Release", pb.ReleaseRequest(kv_request_id=kid), timeout)
-        return ReleaseResult.from_proto(kid, msg)
+        """Gives an id up on the producer (frees its memory, tombstones it RELEASED). Needs
+        the park role's token when the producer has one."""
+        request = release_request(kv_request_id)
+        return ReleaseResult.from_proto(
+            request.kv_request_id, self._unary("Release", request, timeout)
+        )
+
+    def confirm(
+        self, result: LoadResult, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
+    ) -> ReleaseResult:
+        """Confirms a successful load's delivery: the producer frees the id now rather than
+        after its delivery_grace_s. Loads do this by themselves in the background unless
+        `confirm=False`; call it when you turned that off."""
+        request = confirm_request(result)
+        return ReleaseResult.from_proto(
+            request.kv_request_id, self._unary("Release", request, timeout)
+        )
 
     def keep_alive(
         self,
@@ -215,9 +245,10 @@ class KVConsumer(ClientBase):
         interval_s: float | None = None,
         extend_s: float = 0.0,
     ) -> KeepAlive:
-        """Keeps leases alive from a background thread while requests wait in the decode
-        queue: `with client.keep_alive(ids) as ka: ...`; `ka.add()` / `ka.discard()` as the
-        queue changes. Stops cleanly on exit."""
+        """Starts keeping leases alive from a background thread while requests wait in the
+        decode queue; it runs when returned. `with client.keep_alive(ids) as ka: ...`, and
+        `ka.add()` / `ka.discard()` as the queue changes; `ka.stop()` or leaving the block
+        stops it."""
         self._core.check_open()
         return KeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
 
@@ -230,14 +261,17 @@ class KVConsumer(ClientBase):
         num_chunks: int | None = None,
         into: Any = None,
         expected_epoch: int = 0,
-        timeout: Timeout | float | None = None,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        confirm: bool | None = None,
     ) -> LoadResult:
         """Loads an id's chunks (all of them, `num_chunks` = 0..N-1, or `chunk_ids` in that
-        order) into `into` (or a new array), under `timeout`. Failures are values: see
-        `LoadResult.reason`. Raises only for misuse (UsageError, BufferTooSmallError,
-        ClientClosedError) and for statuses that mean misconfiguration (AuthError, ...)."""
+        order) into `into` (one buffer, one destination per chunk, a callable, or nothing for
+        a new array), under `timeout`. Failures are values: see `LoadResult.reason`. Raises
+        only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
+        that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
+        the background unless `confirm` (default: the client's) is False."""
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -248,17 +282,16 @@ class KVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
         )
-        try:
-            self._contact(session.contact_timeout_s(DEFAULT_RPC_TIMEOUT_S))
-        except grpc.RpcError as exc:
-            session.contact_failed(exc.code(), exc.details())
-        if not session.decided and not session.out_of_time():
-            self._stream(session)
-        return self._core.finish_load(session)
+        _, fetch = self._stubs()
+        self._stream(fetch, session)
+        result = self._core.finish_load(session)
+        if self._core.should_confirm(result, confirm):
+            self._confirm_later(result)
+        return result
 
-    def _stream(self, session: LoadSession) -> None:
-        call = self._fetch(
-            session.request, timeout=session.remaining_s(), metadata=self._core.metadata
+    def _stream(self, fetch: Any, session: LoadSession) -> None:
+        call = fetch(
+            session.request, timeout=session.remaining_s(), metadata=self._core.channel.metadata
         )
         watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
@@ -282,21 +315,55 @@ class KVConsumer(ClientBase):
         finally:
             watchdog.disarm()
             if not ended:
-                call.cancel()  # the producer's abort signal: the id goes back to PARKED
+                call.cancel()  # the producer's abort signal: the id goes back where it was
+
+    def _confirm_later(self, result: LoadResult) -> None:
+        with self._lock:
+            if self._core.closed:
+                return
+            if self._confirmer is None:
+                self._confirmer = ThreadPoolExecutor(1, thread_name_prefix="kvpark-confirm")
+            job = self._confirmer.submit(self._confirm_quietly, result)
+            self._pending.add(job)
+        job.add_done_callback(self._pending.discard)
+
+    def _confirm_quietly(self, result: LoadResult) -> None:
+        try:
+            self.confirm(result, timeout=CONFIRM_TIMEOUT_S)
+        except KVParkError as exc:  # the producer frees the id after its grace anyway
+            log.debug("kvpark: confirming %r failed: %s", result.kv_request_id, exc)
 
     def load_or_recompute(
         self,
         kv_request_id: str,
         *,
         recompute: Callable[[int], T] | None = None,
-        fallback: Fallback = "recompute",
-        **load_args: Any,
+        policy: Policy = "recompute",
+        chunk_ids: Iterable[int] | None = None,
+        num_chunks: int | None = None,
+        into: Any = None,
+        expected_epoch: int = 0,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+        wait_timeout_s: float = 0.0,
+        on_chunk: OnChunk | None = None,
+        confirm: bool | None = None,
     ) -> LoadReport[T]:
-        """`load`, then on any failure `recompute(first_missing_chunk)` so the engine redoes
-        only what is missing (chunk 0: everything). `fallback="raise"` raises LoadFailedError
-        instead. The report says which path was taken (remote, partial, recompute) and why."""
-        check_fallback(fallback, recompute)
-        result = self.load(kv_request_id, **load_args)
-        first = fallback_plan(result, fallback)
+        """`load`, then, when it failed: with `policy="recompute"` (the default),
+        `recompute(first_missing_chunk)` so the engine redoes only what is missing (chunk 0:
+        everything); with `policy="fail"`, LoadFailedError and nothing recomputed. The report
+        says which path was taken (remote, partial, recompute) and why."""
+        check_policy(policy, recompute)
+        result = self.load(
+            kv_request_id,
+            chunk_ids=chunk_ids,
+            num_chunks=num_chunks,
+            into=into,
+            expected_epoch=expected_epoch,
+            timeout=timeout,
+            wait_timeout_s=wait_timeout_s,
+            on_chunk=on_chunk,
+            confirm=confirm,
+        )
+        first = fallback_plan(result, policy)
         value = None if first is None or recompute is None else recompute(first)
         return report(result, first, value)

@@ -1,33 +1,49 @@
-"""`Timeout`: how long a load may take, as one frozen value (httpx style).
+"""`Timeout`, and the one rule for every `timeout=` argument of the clients (as in httpx).
 
-Three limits, each optional, all measured from the start of the `load` call:
+- The client's `timeout=` is its default for every call: loads, parks and unary calls alike.
+- A call's `timeout=` overrides it. Left out, it is `USE_CLIENT_DEFAULT`.
+- `None` means no limit, wherever it is accepted (the client's or a call's).
+- A number means that many seconds in all (`Timeout(total_s=n)`).
 
-- `total_s` (default 30 s, the reference's `_LOAD_TIMEOUT_S`): the whole load. It travels as
-  the gRPC deadline, so the producer learns it too.
-- `first_chunk_s`: the first chunk (or the producer's TransferDone) must arrive by then. A
-  producer that answers a late fetch in one round trip never gets near it; a producer that
+`Timeout` has three limits, each optional, all measured from the start of the call:
+
+- `total_s` (default 30 s, the reference's load timeout): the whole call. It travels as the
+  gRPC deadline, so the producer learns it too. A unary call's deadline is this value.
+- `first_chunk_s` (loads only): the first chunk, or the producer's TransferDone, must arrive by
+  then. A producer that answers a late fetch in one round trip never gets near it; one that
   binds the fetch and then has nothing to send is given up on early.
-- `base_s + per_gib_s * GiB`: a size-scaled budget for loads whose size is known (the size of
-  the caller's `into` buffer). It can only shorten `total_s`, never lengthen it, so a huge
-  buffer cannot lift the load past the limit the producer's tombstone retention was sized for.
+- `base_s + per_gib_s * GiB` (loads only): a size-scaled budget for loads whose size is known
+  (the capacity of the caller's `into`). It can only shorten `total_s`, never lengthen it.
 
-When any of them fires, the RPC is cancelled (the producer's abort signal: the id goes back to
-PARKED) and the result says `Reason.TIMEOUT`.
-
-The client's default load timeout must stay below the producer's `tombstone_retention_s`
-(spec §5): otherwise a consumer still waiting when the tombstone is pruned would see UNKNOWN_ID
-instead of the real reason. Clients check it against ServerInfo on first contact.
+When a load's limit fires, the RPC is cancelled (the producer's abort signal: the id goes back
+to where it was) and the result says `Reason.TIMEOUT`. A load timeout should stay below the
+producer's `tombstone_retention_s`, or a consumer still waiting when the tombstone is pruned
+sees UNKNOWN_ID instead of the real reason; clients check it against ServerInfo.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from ._errors import UsageError
 
 GiB = 1024**3
 DEFAULT_LOAD_TIMEOUT_S = 30.0
+
+
+class _UseClientDefault(enum.Enum):
+    """The type of `USE_CLIENT_DEFAULT`: a call's timeout left to the client's default."""
+
+    USE_CLIENT_DEFAULT = "USE_CLIENT_DEFAULT"
+
+    def __repr__(self) -> str:
+        return "USE_CLIENT_DEFAULT"
+
+
+USE_CLIENT_DEFAULT: Final = _UseClientDefault.USE_CLIENT_DEFAULT
 
 
 def _check_seconds(name: str, value: float | None, *, allow_zero: bool = False) -> None:
@@ -43,7 +59,7 @@ def _check_seconds(name: str, value: float | None, *, allow_zero: bool = False) 
 
 @dataclass(frozen=True, slots=True)
 class Timeout:
-    """Load time limits in seconds; None disables a limit. `Timeout(5)` = 5 s total."""
+    """Time limits in seconds; None disables a limit. `Timeout(5)` = 5 s in all."""
 
     total_s: float | None = DEFAULT_LOAD_TIMEOUT_S
     first_chunk_s: float | None = None
@@ -59,26 +75,38 @@ class Timeout:
         if self.per_gib_s is None and self.base_s:
             raise UsageError("Timeout.base_s is only used with per_gib_s (the size-scaled budget)")
 
-    @classmethod
-    def coerce(cls, value: Timeout | float | None, default: Timeout) -> Timeout:
-        """`None` -> the client's default; a number -> that many seconds total."""
-        if value is None:
-            return default
-        if isinstance(value, Timeout):
-            return value
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise UsageError(f"timeout: expected Timeout, seconds or None, got {value!r}")
-        return cls(total_s=float(value))
-
     def budget_s(self, nbytes: int | None = None) -> float | None:
-        """Seconds the whole load may take for a load of `nbytes` (None: size unknown)."""
+        """Seconds a load of `nbytes` may take in all (None: size unknown / unbounded)."""
         budget = self.total_s
         if self.per_gib_s is not None and nbytes is not None:
             scaled = self.base_s + self.per_gib_s * nbytes / GiB
             budget = scaled if budget is None else min(budget, scaled)
         return budget
 
-    @property
-    def longest_s(self) -> float | None:
-        """The longest any load may take under this timeout (None: unbounded)."""
-        return self.total_s
+
+NO_LIMIT: Final = Timeout(total_s=None)
+# A client's default when none is given: 30 s in all.
+DEFAULT_TIMEOUT: Final = Timeout()
+
+TimeoutArg = Timeout | float | int | None | _UseClientDefault
+
+
+def to_timeout(value: Timeout | float | int | None, what: str = "timeout") -> Timeout:
+    """A client's or a call's `timeout=` as a Timeout: None = no limit, a number = total."""
+    if value is None:
+        return NO_LIMIT
+    if isinstance(value, Timeout):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UsageError(
+            f"{what}: expected Timeout, seconds, None or USE_CLIENT_DEFAULT, got {value!r}"
+        )
+    return Timeout(total_s=float(value))
+
+
+def resolve(value: TimeoutArg, default: Timeout) -> Timeout:
+    """A call's `timeout=` against its client's default."""
+    if value is USE_CLIENT_DEFAULT:
+        return default
+    assert not isinstance(value, _UseClientDefault)
+    return to_timeout(value)

@@ -282,14 +282,19 @@ def _fetch(args: argparse.Namespace) -> int:
             expected_epoch=args.expected_epoch,
             timeout=timeout,
             wait_timeout_s=args.wait or 0.0,
+            confirm=False,
         )
-    if result.ok:
-        if args.out == "-":
-            sys.stdout.buffer.write(result.data.data)
-            sys.stdout.buffer.flush()
-        else:
-            with open(args.out, "wb") as f:
-                f.write(result.data.data)
+        if result.ok:
+            assert result.data is not None  # no `into`: the result owns its bytes
+            if args.out == "-":
+                sys.stdout.buffer.write(result.data.data)
+                sys.stdout.buffer.flush()
+            else:
+                with open(args.out, "wb") as f:
+                    f.write(result.data.data)
+            # Confirmed only once the bytes are written: a failed write leaves the id on the
+            # producer for a retry within its delivery grace.
+            client.confirm(result)
     summary = {
         "kv_request_id": result.kv_request_id,
         "ok": result.ok,

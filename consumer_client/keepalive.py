@@ -1,4 +1,4 @@
-"""Keeping leases alive while requests wait in the decode queue (spec §3 KeepAlive, §5).
+"""Keeping leases alive while requests wait in the decode queue (docs/protocol.md, KeepAlive).
 
 A prefill parks a request's KV; the decode worker may admit the request only seconds later.
 The producer's lease (`unbound_store_timeout_s`, counted from the first chunk) must not run out
@@ -8,13 +8,17 @@ meanwhile, so the worker sends KeepAlive for every queued id, a few times per le
         ...  ka.add(new_id) ... ka.discard(admitted_id) ...
     async with client.keep_alive(queued_ids) as ka:  # async: a task on the running loop
 
+A keep-alive runs from the moment `keep_alive()` returns it (there is no unstarted state that
+would silently do nothing); leaving the block, `stop()`, or closing the client ends it.
+
 Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
 `unbound_store_timeout_s`); the default interval is a third of that, so two rounds may fail
 before a lease is at risk. An id the producer reports TOMBSTONED (consumed, reaped, released)
 is dropped from the set and recorded in `ended` with its reason — renewing it cannot help.
 Errors never escape the background loop: they are counted, kept in `last_error` and logged
-once per change, and the loop keeps trying (the producer may be restarting). Leaving the block
-stops the loop and waits for it; a KeepAlive call in flight is bounded by the interval.
+once per change, and the loop keeps trying (the producer may be restarting). Stopping waits for
+the loop; a KeepAlive call in flight is bounded by the interval, so a round ends within its own
+deadline even against a producer that accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -172,28 +176,21 @@ class KeepAlive(_KeepAliveBase):
         self._client = client
         self._state = _KeepAliveState(ids, interval_s, extend_s)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name="kvpark-keepalive", daemon=True)
+        self._thread.start()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> KeepAlive:
-        if self._thread is not None:
-            raise RuntimeError("keep-alive already started")
-        self._thread = threading.Thread(target=self._run, name="kvpark-keepalive", daemon=True)
-        self._thread.start()
-        return self
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """Stops the loop and waits for it (at most one KeepAlive call). Idempotent."""
         self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def __enter__(self) -> KeepAlive:
-        return self.start()
+        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -231,27 +228,20 @@ class AsyncKeepAlive(_KeepAliveBase):
         self._client = client
         self._state = _KeepAliveState(ids, interval_s, extend_s)
         self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvpark-keepalive")
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> AsyncKeepAlive:
-        if self._task is not None:
-            raise RuntimeError("keep-alive already started")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvpark-keepalive")
-        return self
+        return not self._task.done()
 
     async def stop(self) -> None:
         """Stops the loop and waits for it. Idempotent."""
         self._stop.set()
-        task = self._task
-        if task is not None and not task.done():
-            await task
+        if not self._task.done():
+            await self._task
 
     async def __aenter__(self) -> AsyncKeepAlive:
-        return self.start()
+        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -32,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return asyncio.run(serve(config))
+    except ConfigError as exc:  # found at start-up (the file-descriptor budget)
+        print(f"kvpark-producer: config error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"kvpark-producer: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -1,9 +1,12 @@
-"""Bearer tokens by role, checked before any handler runs (spec §6).
+"""Bearer tokens by role, checked before any handler runs (docs/protocol.md, "Roles").
 
-Two roles: the prefill side holds `park_token` (Park, Release); the decode side holds
-`fetch_token` (Fetch, KeepAlive, Lookup). GetServerInfo takes either role's token. A role with
-no token configured is open. Tokens travel as the standard `authorization: Bearer <token>`
-metadata so proxies and other languages' clients need nothing special.
+Two roles: the prefill side holds `park_token` (Park, and Release to give an id up); the
+decode side holds `fetch_token` (Fetch, KeepAlive, Lookup, and Release to confirm a delivery it
+received: a Release that names a delivery_id). GetServerInfo takes either role's token. A role
+with no token configured is open. The interceptor decides by method; the one rule that needs
+the request (giving up vs confirming) is applied by the servicer with `may_give_up`. Tokens
+travel as the standard `authorization: Bearer <token>` metadata so proxies and other languages'
+clients need nothing special.
 
 Answers: no or unknown token -> UNAUTHENTICATED; a valid token of the other role ->
 PERMISSION_DENIED. Neither answer depends on the id or says anything about it (the interceptor
@@ -30,7 +33,8 @@ FETCH_ROLE = "fetch"
 # Method -> roles whose token is accepted.
 _METHOD_ROLES: dict[str, frozenset[str]] = {
     "Park": frozenset({PARK_ROLE}),
-    "Release": frozenset({PARK_ROLE}),
+    # Either role gets in; only the park role may give an id up (see `may_give_up`).
+    "Release": frozenset({PARK_ROLE, FETCH_ROLE}),
     "Fetch": frozenset({FETCH_ROLE}),
     "KeepAlive": frozenset({FETCH_ROLE}),
     "Lookup": frozenset({FETCH_ROLE}),
@@ -77,6 +81,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 found = role
         return found
 
+    def may_give_up(self, metadata: Any) -> bool:
+        """Whether the caller may give ids up with Release (the park role's right): true for
+        the park token, or for anyone when the park role has no token."""
+        if PARK_ROLE not in self._tokens:
+            return True
+        return self.role_of(_bearer(metadata)) == PARK_ROLE
+
     def open_methods(self) -> tuple[str, ...]:
         """The kvpark methods this interceptor lets through without any token: those of a
         role with no token configured (empty when both roles have one)."""
@@ -88,7 +99,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if roles is None:
             return None
         if any(role not in self._tokens for role in roles):
-            return None  # a role with no token configured is open
+            return None  # a role with no token configured is open (for Release: see the servicer)
         role = self.role_of(_bearer(metadata))
         if role is None:
             return grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token"

@@ -158,6 +158,19 @@ def _parse_count(key: str, value: object) -> int:
     return count
 
 
+def _parse_share(key: str, value: object) -> float:
+    expected = "a share of the pool > 0 and <= 1 (e.g. 0.5)"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise _bad(key, expected, value)
+    try:
+        share = float(value)
+    except (ValueError, OverflowError):
+        raise _bad(key, expected, value) from None
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise _bad(key, expected, value)
+    return share
+
+
 def _choice(*choices: str) -> Callable[[str, object], str]:
     expected = "one of " + ", ".join(choices)
 
@@ -304,6 +317,7 @@ _OPTIONAL_ADDRESS = _Kind(_parse_optional_address, "HOST:PORT", "network")
 _BYTES = _Kind(_parse_bytes, "SIZE", "memory")
 _SECONDS = _Kind(_parse_seconds, "SECONDS", "timeouts and limits")
 _COUNT = _Kind(_parse_count, "COUNT", "timeouts and limits")
+_SHARE = _Kind(_parse_share, "SHARE", "memory")
 _LOG_LEVEL = _Kind(_choice("debug", "info", "warning", "error"), "LEVEL", "logging")
 _LOG_FORMAT = _Kind(_choice("text", "json"), "FORMAT", "logging")
 _FILE = _Kind(_parse_optional_file, "FILE", "security")
@@ -354,6 +368,14 @@ class ProducerConfig:
         default="127.0.0.1:9400",
         metadata=_key(_OPTIONAL_ADDRESS, "Prometheus /metrics address; empty disables"),
     )
+    advertise_address: str = field(
+        default="",
+        metadata=_key(
+            _OPTIONAL_ADDRESS,
+            "host:port decode workers dial to reach this producer, published in ServerInfo and "
+            "in KV handles; empty: not published",
+        ),
+    )
     pool_bytes: int = field(
         default=1024**3,
         metadata=_key(_BYTES, "host pool size, preallocated; e.g. 512MiB, 4GiB, 1GB"),
@@ -380,7 +402,45 @@ class ProducerConfig:
     )
     max_fetch_wait_s: float = field(
         default=30.0,
-        metadata=_key(_SECONDS, "longest a Fetch waits for chunks not parked yet"),
+        metadata=_key(
+            _SECONDS, "longest a Fetch waits without any chunk becoming available to send"
+        ),
+    )
+    park_idle_timeout_s: float = field(
+        default=10.0,
+        metadata=_key(
+            _SECONDS,
+            "longest a Park stream may stay silent, before its header included; its batch is "
+            "undone then",
+        ),
+    )
+    delivery_grace_s: float = field(
+        default=30.0,
+        metadata=_key(
+            _SECONDS,
+            "how long a delivered id keeps its bytes for its consumer's confirmation or a "
+            "repeat Fetch",
+        ),
+    )
+    fetch_stall_timeout_s: float = field(
+        default=10.0,
+        metadata=_key(
+            _SECONDS,
+            "a Fetch whose consumer reads nothing this long is cut off; the id keeps its bytes "
+            "with a fresh lease",
+        ),
+    )
+    max_batch_share: float = field(
+        default=0.5,
+        metadata=_key(_SHARE, "largest share of the pool one Park batch may reserve or store"),
+    )
+    max_concurrent_rpcs: int = field(
+        default=1000,
+        metadata=_key(_COUNT, "calls served at once; more are refused RESOURCE_EXHAUSTED"),
+    )
+    max_connections: int = field(
+        default=1000,
+        metadata=_key(_COUNT, "client connections accepted at once; more are refused"),
     )
     max_tombstones: int = field(
         default=1_000_000,

@@ -1,33 +1,47 @@
-"""The parking lot: per-id state machine, leases, reaper, tombstones and KeepAlive intents.
+"""The parking lot: per-id state machine, leases, deliveries, reaper, tombstones and intents.
 
 Pure logic with an injectable clock and no gRPC: the servicer translates RPCs into calls here
 and answers with the decisions returned. Everything runs on one thread (the server's event
-loop), so there are no locks; the only outward hook is a `notify` callback a bound Fetch gives,
-called when something it may be waiting for changes.
+loop), so there are no locks; the only outward hooks are two callbacks: a bound Fetch's
+`notify` (something it may wait for changed) and an open Park batch's `wake` (the batch was
+ended from outside its own call, so its handler should answer now rather than at the client's
+next message). docs/protocol.md states the contract this implements.
 
-Life of an id (spec §3):
+Life of an id:
 
-    (unknown) --Park--> PARKED --Fetch--> BOUND --all sent--> tombstone ALREADY_CONSUMED
-    (unknown) --Fetch--> BOUND (a demand: chunks stream as Parks deliver them)
-    BOUND --cancel / wait timeout--> PARKED again with the old lease (or gone, if no chunks)
-    PARKED --lease runs out--> tombstone REAPED;  PARKED --Release--> tombstone RELEASED
+    (unknown) --Park batch committed--> PARKED --Fetch--> BOUND --all sent--> DELIVERED
+    (unknown) --Fetch--> BOUND (a demand: chunks stream as batches are committed)
+    BOUND --cancel / wait timeout--> where it was (PARKED with its old lease, or DELIVERED)
+    BOUND --consumer read nothing for fetch_stall_timeout_s--> PARKED with a fresh lease
+    DELIVERED --Release(delivery_id) / delivery_grace_s--> tombstone ALREADY_CONSUMED
+    DELIVERED --pool pressure--> tombstone EVICTED;  DELIVERED --Fetch--> BOUND (sent again)
+    PARKED --lease runs out--> tombstone REAPED;  PARKED/DELIVERED --Release--> RELEASED
     any --shutdown--> tombstone SHUTTING_DOWN
+
+A Park batch is isolated until its commit: its chunks sit in pool pages it owns (`pending`),
+invisible to every Fetch and Lookup, and the commit moves them into the id all at once, or the
+batch is undone and its pages go back. Nothing depends on when a stream's end or cancel is
+noticed.
 
 The long-lived tables (who adds, who removes, what cleans up leftovers):
 
-- `_entries: id -> _Entry` — live ids. Added by the first Park batch or a Fetch before any
-  Park; removed when the id ends (consumed, reaped, released, shut down) or when it holds no
-  chunk and nothing is attached any more (a failed first batch, a cancelled demand).
-- `_leases: LeaseQueue of (deadline, seq, entry)` — one item per lease deadline ever set for a
-  PARKED id; stale items (id bound, ended, deadline moved later, or superseded by a later push
-  for the same entry, see `_Entry.lease_seq`) are skipped when popped, and
-  the heap is rebuilt when stale items outnumber live ones, so a reaper pass costs
-  O(expired · log n) and the heap stays O(parked).
+- `_entries: id -> _Entry`. Added by a Park header or a Fetch for an id nobody knows; removed
+  when the id ends (consumed, reaped, released, evicted, shut down), or when it holds no
+  committed chunk and nothing is attached (an undone first batch, a cancelled demand).
+- `_timers: LeaseQueue of (deadline, seq, entry)`. One item per deadline ever set on an id:
+  its lease while PARKED, its delivery grace while DELIVERED. Stale items (the id bound or
+  ended, or a later push for it, see `_Entry.timer_seq`) are skipped when popped and compacted
+  when they outnumber live ids, so a reaper pass costs O(expired) and the queue stays O(ids).
+- `_delivered: id -> _Entry`, in delivery order. Added when a Fetch sent an id's last chunk;
+  removed when the id is confirmed, expires, is evicted (oldest first, under pool pressure),
+  released, or bound again for a repeat Fetch (added back, last, if that Fetch is cancelled).
+- `_open_batches: ParkBatch -> None`. Added by `begin_park`; removed when the batch commits or
+  is undone. The reaper undoes those silent for `park_idle_timeout_s`; shutdown undoes all.
 - `_tombstones: id -> _Tombstone`, insertion-ordered = time-ordered. Added when an id ends;
   pruned from the front after `tombstone_retention_s` and past `max_tombstones`, on every
   reaper pass whether or not anything is parked.
-- `_intents: id -> deadline` for KeepAlive on ids not parked yet, plus `_intent_heap` for
-  expiry. Consumed by the id's first chunk; pruned at their deadline and capped at
+- `_intents: id -> deadline` for KeepAlive on ids not committed yet, plus `_intent_heap` for
+  expiry. Consumed by the id's first commit; pruned at their deadline and capped at
   `max_tombstones` (oldest first), so KeepAlive cannot grow memory without bound.
 """
 
@@ -36,6 +50,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,11 +66,11 @@ Notify = Callable[[], None]
 # A value of the contract's FailureReason enum.
 Reason = pb.FailureReason
 
-# Reasons (values of the contract's FailureReason enum).
 REAPED = pb.REASON_REAPED
 UNKNOWN_ID = pb.REASON_UNKNOWN_ID
 ALREADY_CONSUMED = pb.REASON_ALREADY_CONSUMED
 RELEASED = pb.REASON_RELEASED
+EVICTED = pb.REASON_EVICTED
 ALREADY_BOUND = pb.REASON_ALREADY_BOUND
 POOL_FULL = pb.REASON_POOL_FULL
 TOO_LARGE = pb.REASON_TOO_LARGE
@@ -64,8 +79,10 @@ EPOCH_MISMATCH = pb.REASON_EPOCH_MISMATCH
 SHUTTING_DOWN = pb.REASON_SHUTTING_DOWN
 CHUNK_CONFLICT = pb.REASON_CHUNK_CONFLICT
 CHECKSUM_MISMATCH = pb.REASON_CHECKSUM_MISMATCH
+NOT_COMMITTED = pb.REASON_NOT_COMMITTED
+COMMIT_MISMATCH = pb.REASON_COMMIT_MISMATCH
 
-# Heap rebuild threshold: stale lease items beyond live ids plus this slack trigger a rebuild.
+# Compaction threshold: stale timer items beyond live ids plus this slack trigger a rebuild.
 _HEAP_SLACK = 1024
 
 
@@ -79,7 +96,7 @@ class MalformedRequest(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LotSettings:
-    """The lot's share of the producer configuration (seconds and counts)."""
+    """The lot's share of the producer configuration (seconds, counts and bytes)."""
 
     unbound_store_timeout_s: float = 60.0
     tombstone_retention_s: float = 60.0
@@ -87,6 +104,10 @@ class LotSettings:
     max_fetch_wait_s: float = 30.0
     max_tombstones: int = 1_000_000
     reap_interval_s: float = 0.25
+    park_idle_timeout_s: float = 10.0
+    delivery_grace_s: float = 30.0
+    # Largest batch one Park may reserve or store; 0 = the whole pool.
+    max_batch_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,36 +131,41 @@ class _Stored:
 class _Entry:
     kv_request_id: str
     created_at: float
+    # Committed chunks: what Fetch and Lookup see.
     chunks: dict[int, _Stored] = field(default_factory=dict)
     total_chunks: int = 0
     nbytes: int = 0
-    first_chunk_at: float | None = None
-    lease_deadline: float | None = None  # None until the first chunk
-    # seq of the one `_leases` item that is live for this entry; older items are stale even if
-    # their deadline matches (a cancelled Fetch re-arms the same deadline).
-    lease_seq: int = -1
-    intent_deadline: float = 0.0  # KeepAlive before the first chunk
+    # First commit: the lease starts here; None while nothing was committed.
+    committed_at: float | None = None
+    # The id's one timer: its lease while PARKED, its delivery grace while DELIVERED.
+    deadline: float | None = None
+    # seq of the one `_timers` item that is live for this entry; older items are stale even
+    # if their deadline matches (a cancelled Fetch re-arms the same deadline).
+    timer_seq: int = -1
+    intent_deadline: float = 0.0  # KeepAlive before the first commit
     binding: FetchBinding | None = None
     open_batches: list[ParkBatch] = field(default_factory=list)
+    # Non-zero once every requested chunk was sent: names the delivery a consumer confirms.
+    delivery_id: int = 0
 
 
 @dataclass(eq=False, slots=True)
 class ParkBatch:
-    """One Park call in progress. Chunks it stored are undone if it fails (all-or-nothing)."""
+    """One Park call in progress. Its chunks stay in `pending`, invisible, until its commit."""
 
     entry: _Entry
     reservation: Reservation | None
-    stored_ids: list[int] = field(default_factory=list)
-    # Chunks this batch sent again with identical bytes while another open batch of the id
-    # owned them: it relies on them, so their owner's failure hands them to it (not frees them)
-    # and its own success commits them.
-    matched_ids: list[int] = field(default_factory=list)
+    last_activity: float
+    pending: dict[int, _Stored] = field(default_factory=dict)
+    # Every Chunk message counts, repeats included: the commit must name the same counts.
     chunks_received: int = 0
+    bytes_received: int = 0
+    # Bytes this batch holds in pool pages (bounded by max_batch_bytes).
+    stored_bytes: int = 0
     failed: Refusal | None = None
     done: bool = False
-    # Set when a Fetch consumed the id while this batch was open: what it parked was
-    # delivered, so its stream may still end well (chunks sent after that are refused).
-    consumed: ParkDone | None = None
+    # Set by the servicer: called when the batch is undone from outside its own call.
+    wake: Notify | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -148,11 +174,15 @@ class FetchBinding:
 
     entry: _Entry
     requested: list[int] | None
+    wait_s: float
+    # Give up when nothing became available to send by then; moved on by every chunk sent.
     wait_deadline: float
     notify: Notify
     bound_at: float
-    # Seconds from the id's first chunk to this bind; None for a fetch before any chunk.
+    # Seconds from the id's first commit to this bind; None for a fetch before any commit.
     time_to_fetch_s: float | None
+    # True when the id was DELIVERED before and is being sent again.
+    redelivery: bool = False
     cursor: int = 0
     chunks_sent: int = 0
     bytes_sent: int = 0
@@ -179,16 +209,20 @@ class FetchWait:
 
 @dataclass(frozen=True, slots=True)
 class FetchEnd:
-    """The stream is over: `refusal` None means every requested chunk was sent."""
+    """The stream is over: `refusal` None means every requested chunk was sent, and
+    `delivery_id` names that delivery."""
 
     refusal: Refusal | None
     chunks_sent: int
     bytes_sent: int
+    delivery_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ParkDone:
     chunks_parked: int
+    bytes_parked: int
+    total_chunks: int
     lease_remaining_s: float
 
 
@@ -216,15 +250,24 @@ class _Tombstone:
 class LotStatistics:
     parked_ids: int
     bound_ids: int
+    delivered_ids: int
+    open_batches: int
     tombstones: int
     intents: int
-    parked_bytes: int
+    parked_bytes: int  # committed bytes of live ids
+    pending_bytes: int  # bytes held by open batches, not visible yet
     reaped_total: int
     consumed_total: int
+    confirmed_total: int
+    delivered_total: int
+    redelivered_total: int
+    evicted_total: int
     released_total: int
     late_fetch_rejections_total: int
     late_park_rejections_total: int
     parked_bytes_total: int
+    stalled_fetches_total: int
+    idle_batches_total: int
     shutting_down: bool
 
 
@@ -234,27 +277,41 @@ class Lot:
         self.settings = settings
         self.epoch = epoch
         self.clock = clock
+        self.max_batch_bytes = min(settings.max_batch_bytes or pool.pool_bytes, pool.pool_bytes)
         self._entries: dict[str, _Entry] = {}
-        self._leases: LeaseQueue[_Entry] = LeaseQueue()
+        self._timers: LeaseQueue[_Entry] = LeaseQueue()
         self._seq = itertools.count()
+        self._delivered: OrderedDict[str, _Entry] = OrderedDict()
+        self._open_batches: dict[ParkBatch, None] = {}
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._intents: OrderedDict[str, float] = OrderedDict()
         self._intent_heap: list[tuple[float, str]] = []
         self._bound = 0
+        # Bound ids that hold committed chunks (the rest are demands: Fetches before any
+        # commit), kept so that statistics() costs O(1).
+        self._bound_committed = 0
+        self._committed_ids = 0  # live ids with a commit: PARKED, BOUND or DELIVERED
         self._parked_bytes = 0
+        self._pending_bytes = 0
         self._shutting_down = False
         self.reaped_total = 0
         self.consumed_total = 0
+        self.confirmed_total = 0
+        self.delivered_total = 0
+        self.redelivered_total = 0
+        self.evicted_total = 0
         self.released_total = 0
         self.late_fetch_rejections_total = 0
         self.late_park_rejections_total = 0
         self.parked_bytes_total = 0
+        self.stalled_fetches_total = 0
+        self.idle_batches_total = 0
 
     # =================================================================================== Park
     def begin_park(
         self, kv_request_id: str, total_chunks: int, batch_bytes: int
     ) -> ParkBatch | Refusal:
-        """Opens a batch for `kv_request_id` (spec §3 Park steps 1-2)."""
+        """Opens a batch for `kv_request_id`, or refuses it at once."""
         now = self.clock()
         if self._shutting_down:
             return Refusal(SHUTTING_DOWN, "producer is shutting down")
@@ -262,19 +319,18 @@ class Lot:
         if tomb is not None:
             self.late_park_rejections_total += 1
             return Refusal(tomb.reason, self._tomb_detail(tomb, now), late=True)
-        if batch_bytes and not self.pool.fits_ever(batch_bytes):
-            return Refusal(
-                TOO_LARGE,
-                f"batch of {batch_bytes} bytes exceeds the {self.pool.pool_bytes}-byte pool",
-            )
         entry = self._entries.get(kv_request_id)
+        if entry is not None and entry.delivery_id:
+            return Refusal(ALREADY_CONSUMED, "the id was delivered; it takes no more chunks")
+        if batch_bytes > self.max_batch_bytes:
+            return Refusal(TOO_LARGE, self._too_large_detail(batch_bytes))
         if entry is not None and total_chunks:
             conflict = self._total_conflict(entry, total_chunks)
             if conflict:
                 return Refusal(CHUNK_CONFLICT, conflict)
         reservation = None
         if batch_bytes:
-            reservation = self.pool.reserve(batch_bytes)
+            reservation = self._reserve(batch_bytes)
             if reservation is None:
                 return Refusal(
                     POOL_FULL,
@@ -286,123 +342,160 @@ class Lot:
             self._entries[kv_request_id] = entry
         if total_chunks:
             self._set_total(entry, total_chunks)
-        batch = ParkBatch(entry, reservation)
+        batch = ParkBatch(entry, reservation, last_activity=now)
         entry.open_batches.append(batch)
+        self._open_batches[batch] = None
         return batch
 
     def park_chunk(
-        self, batch: ParkBatch, chunk_id: int, data: memoryview, crc32c: int
+        self, batch: ParkBatch, chunk_id: int, data: memoryview, crc32c: int | None
     ) -> Refusal | None:
-        """Stores one chunk of an open batch; a refusal has already undone the whole batch.
-
-        Raises MalformedRequest (after undoing the batch) for a chunk the contract forbids."""
+        """Stores one chunk of an open batch, invisibly; a refusal has already undone the
+        whole batch. Raises MalformedRequest (after undoing the batch) for a chunk the contract
+        forbids."""
         if batch.failed is not None:
             return batch.failed
         entry = batch.entry
+        nbytes = len(data)
         batch.chunks_received += 1
-        if not data:
-            self.abort_park(batch)
+        batch.bytes_received += nbytes
+        batch.last_activity = self.clock()
+        if entry.delivery_id:  # its commit would be refused: stop holding pages now
+            detail = "the id was delivered while this batch was open"
+            return self._undo(batch, Refusal(ALREADY_CONSUMED, detail))
+        if not nbytes:
+            self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
             raise MalformedRequest(f"chunk {chunk_id} has no data")
         if entry.total_chunks and chunk_id >= entry.total_chunks:
-            self.abort_park(batch)
+            self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
             raise MalformedRequest(
                 f"chunk_id {chunk_id} out of range: total_chunks is {entry.total_chunks}"
             )
         actual = crc32c_of(data)
-        if crc32c and actual != crc32c:
-            return self._fail_batch(
-                batch,
-                Refusal(
-                    CHECKSUM_MISMATCH,
-                    f"chunk {chunk_id}: crc32c {actual:#010x}, header says {crc32c:#010x}",
-                ),
-            )
-        existing = entry.chunks.get(chunk_id)
-        if existing is not None:
-            if existing.crc32c == actual and self.pool.equals(existing.handle, data):
-                batch.matched_ids.append(chunk_id)
-                return None  # the same bytes again: idempotent
-            return self._fail_batch(
-                batch, Refusal(CHUNK_CONFLICT, f"chunk {chunk_id} was parked with other bytes")
-            )
-        handle = self.pool.store(data, batch.reservation)
+        if crc32c is not None and actual != crc32c:
+            detail = f"chunk {chunk_id}: crc32c {actual:#010x}, the chunk says {crc32c:#010x}"
+            return self._undo(batch, Refusal(CHECKSUM_MISMATCH, detail))
+        same = batch.pending.get(chunk_id) or entry.chunks.get(chunk_id)
+        if same is not None:
+            if same.crc32c == actual and self.pool.equals(same.handle, data):
+                return None  # the same bytes again: nothing more to store
+            detail = f"chunk {chunk_id} was parked with other bytes"
+            return self._undo(batch, Refusal(CHUNK_CONFLICT, detail))
+        if batch.stored_bytes + nbytes > self.max_batch_bytes:
+            return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
+        handle = self._store(data, batch.reservation)
         if handle is None:
-            now = self.clock()
-            return self._fail_batch(
-                batch,
-                Refusal(
-                    POOL_FULL,
-                    f"pool full at chunk {chunk_id} ({len(data)} bytes)",
-                    self._retry_after(now),
-                ),
-            )
-        entry.chunks[chunk_id] = _Stored(handle, actual)
-        batch.stored_ids.append(chunk_id)
-        entry.nbytes += len(data)
-        self._parked_bytes += len(data)
-        self.parked_bytes_total += len(data)
-        if entry.first_chunk_at is None:
-            self._start_lease(entry)
-        if entry.binding is not None:
-            entry.binding.notify()
+            detail = f"pool full at chunk {chunk_id} ({nbytes} bytes)"
+            return self._undo(batch, Refusal(POOL_FULL, detail, self._retry_after(self.clock())))
+        batch.pending[chunk_id] = _Stored(handle, actual)
+        batch.stored_bytes += nbytes
+        self._pending_bytes += nbytes
         return None
 
-    def finish_park(self, batch: ParkBatch) -> ParkDone | Refusal:
-        """Closes a batch whose stream ended normally."""
-        if batch.consumed is not None:
-            return batch.consumed
+    def commit_park(self, batch: ParkBatch, chunks: int, nbytes: int) -> ParkDone | Refusal:
+        """Makes the batch visible, all at once, if `chunks` and `nbytes` name what it sent."""
         if batch.failed is not None:
             return batch.failed
         entry = batch.entry
-        if batch.matched_ids:  # acknowledged now: no other open batch may undo them any more
-            matched = set(batch.matched_ids)
-            for other in entry.open_batches:
-                if other is not batch:
-                    other.stored_ids = [c for c in other.stored_ids if c not in matched]
+        if (chunks, nbytes) != (batch.chunks_received, batch.bytes_received):
+            detail = (
+                f"commit names {chunks} chunks and {nbytes} bytes; the batch sent "
+                f"{batch.chunks_received} chunks and {batch.bytes_received} bytes"
+            )
+            return self._undo(batch, Refusal(COMMIT_MISMATCH, detail))
+        if entry.delivery_id:
+            detail = "the id was delivered while this batch was open"
+            return self._undo(batch, Refusal(ALREADY_CONSUMED, detail))
+        refusal = self._commit_conflict(batch)
+        if refusal is not None:
+            return self._undo(batch, refusal)
+        now = self.clock()
+        for chunk_id, stored in batch.pending.items():
+            nbytes_chunk = stored.handle.nbytes
+            self._pending_bytes -= nbytes_chunk
+            if chunk_id in entry.chunks:  # committed by another batch meanwhile, same bytes
+                self.pool.free(stored.handle)
+                continue
+            entry.chunks[chunk_id] = stored
+            entry.nbytes += nbytes_chunk
+            self._parked_bytes += nbytes_chunk
+            self.parked_bytes_total += nbytes_chunk
+        batch.pending.clear()
+        if not entry.total_chunks and entry.chunks:
+            self._set_total(entry, max(entry.chunks) + 1)
         self._close_batch(batch)
-        if not entry.chunks:
-            self._drop_if_idle(entry)
-        return ParkDone(len(entry.chunks), self._lease_remaining(entry, self.clock()))
+        if entry.committed_at is None and entry.chunks:
+            self._start_lease(entry, now)
+        elif entry.binding is not None:
+            entry.binding.notify()
+        done = ParkDone(
+            len(entry.chunks), entry.nbytes, entry.total_chunks, self._timer_remaining(entry, now)
+        )
+        self._drop_if_idle(entry)
+        return done
 
-    def expire_park(self, batch: ParkBatch, idle_s: float) -> Refusal:
-        """Undoes a batch whose stream sent nothing for `idle_s`: a stuck uploader must not
-        hold its reservation and chunks for ever (no lease runs while a batch is open)."""
+    def end_park_stream(self, batch: ParkBatch) -> Refusal:
+        """The stream ended without a commit: nothing of the batch is kept."""
         if batch.failed is not None:
             return batch.failed
-        detail = f"Park batch sent nothing for {idle_s:g}s (unbound_store_timeout_s); undone"
-        return self._fail_batch(batch, Refusal(REAPED, detail))
+        detail = "the Park stream ended without a ParkCommit; the batch was undone"
+        return self._undo(batch, Refusal(NOT_COMMITTED, detail))
 
     def abort_park(self, batch: ParkBatch) -> None:
-        """Undoes a batch whose stream broke (cancel, malformed message): all-or-nothing."""
+        """Undoes a batch whose call broke (cancel, malformed message). Idempotent; a
+        committed batch is left alone."""
         if batch.failed is None and not batch.done:
-            self._fail_batch(batch, Refusal(pb.REASON_UNSPECIFIED, "batch aborted"))
+            self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "batch aborted"))
 
-    def _fail_batch(self, batch: ParkBatch, refusal: Refusal) -> Refusal:
+    def _commit_conflict(self, batch: ParkBatch) -> Refusal | None:
+        """What stops this batch from being committed as it is, checked before anything moves
+        so that a commit is all-or-nothing."""
         entry = batch.entry
-        for chunk_id in batch.stored_ids:
-            heir = next(
-                (b for b in entry.open_batches if b is not batch and chunk_id in b.matched_ids),
-                None,
-            )
-            if heir is not None:  # another open batch sent the same bytes: the chunk is its now
-                heir.matched_ids.remove(chunk_id)
-                heir.stored_ids.append(chunk_id)
-                continue
-            stored = entry.chunks.pop(chunk_id, None)
-            if stored is not None:
-                self._free_chunk(entry, stored)
-        batch.stored_ids.clear()
+        for chunk_id, stored in batch.pending.items():
+            other = entry.chunks.get(chunk_id)
+            if other is not None and not (
+                other.crc32c == stored.crc32c and self.pool.same_bytes(other.handle, stored.handle)
+            ):
+                return Refusal(CHUNK_CONFLICT, f"chunk {chunk_id} was committed with other bytes")
+        if not entry.total_chunks and batch.pending:
+            total = max(max(batch.pending), max(entry.chunks, default=-1)) + 1
+            conflict = self._total_conflict(entry, total)
+            if conflict:
+                return Refusal(CHUNK_CONFLICT, f"{conflict} (the commit fixes the total)")
+        return None
+
+    def _undo(self, batch: ParkBatch, refusal: Refusal) -> Refusal:
+        """Fails a batch: its pending chunks and unused reservation go back to the pool."""
+        for stored in batch.pending.values():
+            self.pool.free(stored.handle)
+            self._pending_bytes -= stored.handle.nbytes
+        batch.pending.clear()
         batch.failed = refusal
         self._close_batch(batch)
-        self._drop_if_idle(entry)
+        self._drop_if_idle(batch.entry)
         return refusal
+
+    def _undo_from_outside(self, batch: ParkBatch, refusal: Refusal) -> None:
+        """`_undo` for a batch ended by something other than its own call: its handler is
+        woken to answer now."""
+        self._undo(batch, refusal)
+        if batch.wake is not None:
+            batch.wake()
 
     def _close_batch(self, batch: ParkBatch) -> None:
         batch.done = True
+        self._open_batches.pop(batch, None)
         if batch.reservation is not None:
             self.pool.close_reservation(batch.reservation)
         if batch in batch.entry.open_batches:
             batch.entry.open_batches.remove(batch)
+
+    def _too_large_detail(self, batch_bytes: int | None) -> str:
+        size = "the batch" if batch_bytes is None else f"a batch of {batch_bytes} bytes"
+        return (
+            f"{size} exceeds max_batch_bytes {self.max_batch_bytes} "
+            f"(max_batch_share of the {self.pool.pool_bytes}-byte pool)"
+        )
 
     def _total_conflict(self, entry: _Entry, total: int) -> str | None:
         if entry.total_chunks and entry.total_chunks != total:
@@ -423,26 +516,49 @@ class Lot:
             if entry.binding is not None:
                 entry.binding.notify()
 
-    def _start_lease(self, entry: _Entry) -> None:
-        now = self.clock()
+    def _start_lease(self, entry: _Entry, now: float) -> None:
         s = self.settings
-        entry.first_chunk_at = now
+        entry.committed_at = now
+        self._committed_ids += 1
+        if entry.binding is not None:
+            self._bound_committed += 1
         intent = max(entry.intent_deadline, self._intents.pop(entry.kv_request_id, 0.0))
-        # Kept on the entry: if this first batch fails, the id is unparked again and
-        # `_drop_if_idle` puts the intent back.
         entry.intent_deadline = intent
-        entry.lease_deadline = min(
-            max(now + s.unbound_store_timeout_s, intent), now + s.max_lease_s
-        )
+        entry.deadline = min(max(now + s.unbound_store_timeout_s, intent), now + s.max_lease_s)
         if entry.binding is None:
-            self._push_lease(entry)
+            self._push_timer(entry)
+        else:
+            entry.binding.notify()
+
+    def _reserve(self, nbytes: int) -> Reservation | None:
+        reservation = self.pool.reserve(nbytes)
+        while reservation is None and self._evict_one_delivered():
+            reservation = self.pool.reserve(nbytes)
+        return reservation
+
+    def _store(self, data: memoryview, reservation: Reservation | None) -> SlotHandle | None:
+        handle = self.pool.store(data, reservation)
+        while handle is None and self._evict_one_delivered():
+            handle = self.pool.store(data, reservation)
+        return handle
+
+    def _evict_one_delivered(self) -> bool:
+        """Frees the oldest delivered id to make room; False when there is none. Parked and
+        bound ids are never evicted: only bytes their consumer already received."""
+        if not self._delivered:
+            return False
+        entry = next(iter(self._delivered.values()))
+        self._end_entries((entry,), EVICTED, self.clock())
+        self.evicted_total += 1
+        return True
 
     def _retry_after(self, now: float) -> float:
-        """When memory may free up: the next lease deadline, at least one reaper interval."""
+        """When memory may free up: the next timer (a lease or a delivery grace ending), at
+        least one reaper interval; open batches give theirs back within park_idle_timeout_s."""
         floor = self.settings.reap_interval_s
-        nxt = self.next_lease_deadline()
+        nxt = self.next_deadline()
         if nxt is not None:
-            return max(floor, nxt - now)
+            return max(floor, min(nxt - now, self.settings.park_idle_timeout_s))
         return max(floor, 1.0)
 
     # ================================================================================== Fetch
@@ -454,7 +570,7 @@ class Lot:
         wait_timeout_s: float,
         notify: Notify,
     ) -> FetchBinding | Refusal:
-        """Attaches a Fetch (spec §3 Fetch steps 1-4). Raises MalformedRequest for bad chunk_ids."""
+        """Attaches a Fetch, or refuses it at once. Raises MalformedRequest for bad chunk_ids."""
         now = self.clock()
         if expected_epoch and expected_epoch != self.epoch:
             return Refusal(
@@ -488,10 +604,12 @@ class Lot:
         wait = self.settings.max_fetch_wait_s
         if wait_timeout_s > 0:
             wait = min(wait, wait_timeout_s)
-        ttf = None if entry.first_chunk_at is None else now - entry.first_chunk_at
-        binding = FetchBinding(entry, requested, now + wait, notify, now, ttf)
-        entry.binding = binding
-        self._bound += 1
+        ttf = None if entry.committed_at is None else now - entry.committed_at
+        redelivery = bool(entry.delivery_id)
+        if redelivery:
+            self._delivered.pop(kv_request_id, None)
+        binding = FetchBinding(entry, requested, wait, now + wait, notify, now, ttf, redelivery)
+        self._attach(entry, binding)
         return binding
 
     def next_for(self, binding: FetchBinding) -> ReadyChunk | FetchWait | FetchEnd:
@@ -506,10 +624,10 @@ class Lot:
             order_len = len(binding.requested)
             next_id = binding.requested[binding.cursor] if binding.cursor < order_len else None
         else:
-            order_len = entry.total_chunks  # 0 while unknown: keep streaming 0, 1, 2, ...
+            order_len = entry.total_chunks  # 0 until a commit fixes it: keep streaming 0, 1, ...
             next_id = binding.cursor if not order_len or binding.cursor < order_len else None
         if next_id is None:
-            return self._complete(binding)
+            return self._deliver(binding)
         stored = entry.chunks.get(next_id)
         if stored is None:
             return FetchWait(binding.wait_deadline)
@@ -517,56 +635,95 @@ class Lot:
         binding.cursor += 1
         binding.chunks_sent += 1
         binding.bytes_sent += stored.handle.nbytes
+        # Progress: the wait bounds a stall of the parking side, not the whole transfer.
+        binding.wait_deadline = self.clock() + binding.wait_s
         return ReadyChunk(next_id, stored.crc32c, views, stored.handle.nbytes)
 
     def fetch_wait_expired(self, binding: FetchBinding) -> FetchEnd:
-        """The Fetch waited its whole wait time for chunks that were not parked."""
+        """Nothing became available to send for the binding's whole wait."""
         if binding.failed is not None:  # the id ended meanwhile (shutdown): that is the cause
             return self._end(binding, binding.failed)
         missing = self._first_missing(binding)
-        return self._end(binding, Refusal(WAIT_TIMEOUT, f"chunk {missing} not parked in time"))
+        detail = f"chunk {missing} not committed within {binding.wait_s:g}s of the last progress"
+        return self._end(binding, Refusal(WAIT_TIMEOUT, detail))
 
     def cancel_fetch(self, binding: FetchBinding) -> None:
-        """The consumer went away: the id is PARKED again with its old lease (spec §3 Fetch 5)."""
+        """The consumer went away: the id returns to where it was, with its old timer."""
         if binding.active:
-            self._detach(binding)
+            self._detach(binding, fresh_timer=False)
+
+    def stall_fetch(self, binding: FetchBinding) -> None:
+        """The consumer read nothing for fetch_stall_timeout_s and was cut off: the id returns
+        to where it was with a fresh timer, so a consumer that comes back can still load it."""
+        if binding.active:
+            self.stalled_fetches_total += 1
+            self._detach(binding, fresh_timer=True)
 
     def _first_missing(self, binding: FetchBinding) -> int:
         if binding.requested is not None:
             return binding.requested[binding.cursor]
         return binding.cursor
 
-    def _complete(self, binding: FetchBinding) -> FetchEnd:
-        entry = binding.entry
+    def _attach(self, entry: _Entry, binding: FetchBinding) -> None:
+        entry.binding = binding
+        self._bound += 1
+        if entry.committed_at is not None:
+            self._bound_committed += 1
+
+    def _unbind(self, entry: _Entry, binding: FetchBinding) -> None:
         binding.active = False
         entry.binding = None
         self._bound -= 1
-        self._end_entry(entry, ALREADY_CONSUMED)
-        self.consumed_total += 1
-        return FetchEnd(None, binding.chunks_sent, binding.bytes_sent)
+        if entry.committed_at is not None:
+            self._bound_committed -= 1
+
+    def _deliver(self, binding: FetchBinding) -> FetchEnd:
+        """Every requested chunk was sent: the id is DELIVERED and keeps its bytes for the
+        consumer's confirmation (or a repeat Fetch) for delivery_grace_s."""
+        entry = binding.entry
+        self._unbind(entry, binding)
+        entry.delivery_id = secrets.randbits(64) or 1
+        entry.deadline = self.clock() + self.settings.delivery_grace_s
+        self._push_timer(entry)
+        self._delivered[entry.kv_request_id] = entry
+        self.delivered_total += 1
+        if binding.redelivery:
+            self.redelivered_total += 1
+        return FetchEnd(None, binding.chunks_sent, binding.bytes_sent, entry.delivery_id)
 
     def _end(self, binding: FetchBinding, refusal: Refusal) -> FetchEnd:
         if binding.active:
-            self._detach(binding)
+            self._detach(binding, fresh_timer=False)
         return FetchEnd(refusal, binding.chunks_sent, binding.bytes_sent)
 
-    def _detach(self, binding: FetchBinding) -> None:
+    def _detach(self, binding: FetchBinding, *, fresh_timer: bool) -> None:
         binding.active = False
         entry = binding.entry
-        if entry.binding is binding:
-            entry.binding = None
-            self._bound -= 1
-            if entry.lease_deadline is not None and self._entries.get(entry.kv_request_id) is entry:
-                self._push_lease(entry)
-            self._drop_if_idle(entry)
+        if entry.binding is not binding:
+            return
+        self._unbind(entry, binding)
+        if self._entries.get(entry.kv_request_id) is not entry:
+            return
+        if fresh_timer and entry.deadline is not None:
+            s = self.settings
+            span = s.delivery_grace_s if entry.delivery_id else s.unbound_store_timeout_s
+            entry.deadline = max(entry.deadline, self.clock() + span)
+        if entry.delivery_id:
+            self._delivered[entry.kv_request_id] = entry
+        if entry.deadline is not None:
+            self._push_timer(entry)
+        self._drop_if_idle(entry)
 
-    # ============================================================================ KeepAlive etc
+    # ================================================================ KeepAlive, Release, Lookup
     def keep_alive(self, kv_request_ids: Iterable[str], extend_s: float) -> list[IdStatus]:
+        """Extends the lease of PARKED ids and records intent for ids not committed yet;
+        answers each id's state. Delivered ids and open batches are not extended."""
+        ids = list(kv_request_ids)  # read once: a generator must not be consumed twice
         now = self.clock()
         s = self.settings
         extend = min(extend_s if extend_s > 0 else s.unbound_store_timeout_s, s.max_lease_s)
         wanted = now + extend
-        for kid in kv_request_ids:
+        for kid in ids:
             entry = self._entries.get(kid)
             if entry is None:
                 if kid not in self._tombstones and wanted > self._intents.get(kid, 0.0):
@@ -574,42 +731,64 @@ class Lot:
                     self._intents.move_to_end(kid)
                     heapq.heappush(self._intent_heap, (wanted, kid))
                     self._cap_intents()
-            elif entry.first_chunk_at is None:
+            elif entry.delivery_id:
+                continue  # delivered: its grace is the consumer's to end, not to stretch
+            elif entry.committed_at is None:
                 entry.intent_deadline = max(entry.intent_deadline, wanted)
             else:
-                assert entry.lease_deadline is not None
-                new = min(wanted, entry.first_chunk_at + s.max_lease_s)
-                if new > entry.lease_deadline:
-                    entry.lease_deadline = new
+                assert entry.deadline is not None
+                new = min(wanted, entry.committed_at + s.max_lease_s)
+                if new > entry.deadline:
+                    entry.deadline = new
                     if entry.binding is None:
-                        self._push_lease(entry)
-        return self.lookup(kv_request_ids)
+                        self._push_timer(entry)
+        return self._statuses(ids, now)
 
-    def release(self, kv_request_id: str) -> Refusal | None:
-        """Frees a parked id and tombstones it RELEASED; None means it was released."""
+    def release(self, kv_request_id: str, delivery_id: int = 0) -> Refusal | None:
+        """`delivery_id` 0: gives the id up (tombstone RELEASED). Otherwise confirms that
+        delivery (tombstone ALREADY_CONSUMED). None means done."""
         now = self.clock()
         entry = self._entries.get(kv_request_id)
-        if entry is None:
+        if entry is None or (entry.committed_at is None and entry.binding is None):
+            if delivery_id == 0:
+                self._intents.pop(kv_request_id, None)
             tomb = self._tombstones.get(kv_request_id)
-            self._intents.pop(kv_request_id, None)
             if tomb is not None:
                 return Refusal(tomb.reason, self._tomb_detail(tomb, now))
+            if entry is not None and delivery_id == 0:  # only open batches: they end too
+                self._end_entries((entry,), RELEASED, now)
+                self.released_total += 1
+                return None
             return Refusal(UNKNOWN_ID, "no such id")
+        if delivery_id:
+            if entry.delivery_id != delivery_id or entry.binding is not None:
+                return Refusal(UNKNOWN_ID, "no such delivery of this id")
+            self._end_entries((entry,), ALREADY_CONSUMED, now)
+            self.consumed_total += 1
+            self.confirmed_total += 1
+            return None
         if entry.binding is not None:
             return Refusal(ALREADY_BOUND, "a Fetch is streaming this id")
-        self._end_entry(entry, RELEASED)
+        self._end_entries((entry,), RELEASED, now)
         self.released_total += 1
         return None
 
     def lookup(self, kv_request_ids: Iterable[str]) -> list[IdStatus]:
-        now = self.clock()
+        return self._statuses(kv_request_ids, self.clock())
+
+    def _statuses(self, kv_request_ids: Iterable[str], now: float) -> list[IdStatus]:
         return [self._status(kid, now) for kid in kv_request_ids]
 
     def _status(self, kid: str, now: float) -> IdStatus:
         entry = self._entries.get(kid)
-        if entry is not None:
-            state = pb.STATE_BOUND if entry.binding is not None else pb.STATE_PARKED
-            since = entry.first_chunk_at if entry.first_chunk_at is not None else entry.created_at
+        if entry is not None and (entry.committed_at is not None or entry.binding is not None):
+            if entry.binding is not None:
+                state = pb.STATE_BOUND
+            elif entry.delivery_id:
+                state = pb.STATE_DELIVERED
+            else:
+                state = pb.STATE_PARKED
+            since = entry.committed_at if entry.committed_at is not None else entry.created_at
             return IdStatus(
                 kid,
                 state,
@@ -617,51 +796,70 @@ class Lot:
                 total_chunks=entry.total_chunks,
                 nbytes=entry.nbytes,
                 age_s=now - since,
-                lease_remaining_s=self._lease_remaining(entry, now),
+                lease_remaining_s=self._timer_remaining(entry, now),
             )
         tomb = self._tombstones.get(kid)
         if tomb is not None:
             return IdStatus(kid, pb.STATE_TOMBSTONED, tomb.reason, age_s=now - tomb.at)
+        # Nothing visible: never seen, forgotten, or only uncommitted batches.
         intent = self._intents.get(kid)
+        if entry is not None:
+            intent = max(intent or 0.0, entry.intent_deadline) or None
         remaining = max(0.0, intent - now) if intent is not None else 0.0
         return IdStatus(kid, pb.STATE_UNKNOWN, lease_remaining_s=remaining)
 
-    def _lease_remaining(self, entry: _Entry, now: float) -> float:
-        if entry.binding is not None or entry.lease_deadline is None:
+    def _timer_remaining(self, entry: _Entry, now: float) -> float:
+        if entry.binding is not None or entry.deadline is None:
             return 0.0
-        return max(0.0, entry.lease_deadline - now)
+        return max(0.0, entry.deadline - now)
 
     # ================================================================================= Reaper
     def reap(self) -> list[str]:
-        """One reaper pass: frees PARKED ids past their lease, prunes tombstones and intents.
+        """One reaper pass: ends ids whose lease or delivery grace ran out, undoes batches
+        silent for park_idle_timeout_s, prunes tombstones and intents. Returns the reaped ids.
 
-        Costs O(expired · log n): only heap items whose deadline has passed are touched."""
+        Costs O(expired + open batches): only timer items whose deadline has passed are
+        touched."""
         now = self.clock()
-        leases = self._leases
-        live = self._lease_item_live
-        # Ending an id never touches another id's lease item, so the live ones can be picked
+        timers = self._timers
+        live = self._timer_item_live
+        due = [item[2] for item in timers.pop_due(now) if live(item)]
+        # Ending an id never touches another id's timer item, so the live ones are picked
         # first and ended together (one clock reading, one tombstone cap for the pass).
-        expired = [item[2] for item in leases.pop_due(now) if live(item)]
+        expired = [entry for entry in due if not entry.delivery_id]
+        unconfirmed = [entry for entry in due if entry.delivery_id]
         self._end_entries(expired, REAPED, now)
         self.reaped_total += len(expired)
-        if len(leases) > 2 * (len(self._entries) + _HEAP_SLACK):
-            leases.retain(live)
+        if unconfirmed:
+            self._end_entries(unconfirmed, ALREADY_CONSUMED, now)
+            self.consumed_total += len(unconfirmed)
+        if len(timers) > 2 * (len(self._entries) + _HEAP_SLACK):
+            timers.retain(live)
+        self._expire_idle_batches(now)
         self._prune(now)
         return [entry.kv_request_id for entry in expired]
 
-    def _lease_item_live(self, item: tuple[float, int, _Entry]) -> bool:
+    def _expire_idle_batches(self, now: float) -> None:
+        idle_s = self.settings.park_idle_timeout_s
+        stale = [b for b in self._open_batches if now - b.last_activity >= idle_s]
+        for batch in stale:
+            detail = f"the Park stream sent nothing for {idle_s:g}s (park_idle_timeout_s)"
+            self._undo_from_outside(batch, Refusal(NOT_COMMITTED, detail))
+        self.idle_batches_total += len(stale)
+
+    def _timer_item_live(self, item: tuple[float, int, _Entry]) -> bool:
         deadline, seq, entry = item
         return (
             entry.binding is None
-            and entry.lease_seq == seq
-            and entry.lease_deadline == deadline
+            and entry.timer_seq == seq
+            and entry.deadline == deadline
             and self._entries.get(entry.kv_request_id) is entry
         )
 
-    def _push_lease(self, entry: _Entry) -> None:
-        assert entry.lease_deadline is not None
-        entry.lease_seq = next(self._seq)
-        self._leases.push(entry.lease_deadline, entry.lease_seq, entry)
+    def _push_timer(self, entry: _Entry) -> None:
+        assert entry.deadline is not None
+        entry.timer_seq = next(self._seq)
+        self._timers.push(entry.deadline, entry.timer_seq, entry)
 
     def _prune(self, now: float) -> None:
         horizon = now - self.settings.tombstone_retention_s
@@ -690,33 +888,31 @@ class Lot:
         while len(self._intents) > self.settings.max_tombstones:
             self._intents.popitem(last=False)
 
-    def next_lease_deadline(self) -> float | None:
-        """The earliest live lease deadline (for scheduling the next pass), or None."""
-        leases = self._leases
-        while (head := leases.peek()) is not None and not self._lease_item_live(head):
-            leases.pop()
+    def next_deadline(self) -> float | None:
+        """The earliest live timer deadline (for scheduling the next pass), or None."""
+        timers = self._timers
+        while (head := timers.peek()) is not None and not self._timer_item_live(head):
+            timers.pop()
         return head[0] if head is not None else None
 
     # ================================================================================ Endings
-    def _end_entry(self, entry: _Entry, reason: Reason) -> None:
-        """Frees an id's memory, fails what is attached to it, and tombstones it."""
-        self._end_entries((entry,), reason, self.clock())
-
     def _end_entries(self, entries: Iterable[_Entry], reason: Reason, now: float) -> None:
-        """`_end_entry` for each of `entries`, all ended at `now`.
-
-        The reaper's ids are plain PARKED ones (no open batch, no bound Fetch), so those two
-        attachments are handled out of line and the loop body is what every id needs; a
+        """Frees each id's memory, fails what is attached to it, and tombstones it, all at
+        `now`. The reaper's ids are plain PARKED ones (no open batch, no bound Fetch), so those
+        two attachments are handled out of line and the loop body is what every id needs; a
         reaper pass ends ~1k ids this way, so every lookup done once here counts."""
         free = self.pool.free
         by_id = self._entries
         intents = self._intents
         tombs = self._tombstones
+        delivered = self._delivered
         tomb = _Tombstone(reason, now)
         for entry in entries:
             kid = entry.kv_request_id
             if entry.open_batches:
-                self._fail_open_batches(entry, reason)
+                for batch in list(entry.open_batches):
+                    refusal = Refusal(reason, f"id ended: {reason_name(reason)}")
+                    self._undo_from_outside(batch, refusal)
             # Every chunk goes, so the id's byte count leaves the lot's total in one step.
             for stored in entry.chunks.values():
                 free(stored.handle)
@@ -728,6 +924,10 @@ class Lot:
                 self._fail_binding(entry, binding, reason)
             if by_id.get(kid) is entry:
                 del by_id[kid]
+                if entry.committed_at is not None:
+                    self._committed_ids -= 1
+            if entry.delivery_id:
+                delivered.pop(kid, None)
             if intents:
                 intents.pop(kid, None)
             if kid in tombs:  # never for a live id; a new key is inserted at the end anyway
@@ -737,33 +937,15 @@ class Lot:
         # each one: inserts only ever go to the end.
         self._cap_tombstones()
 
-    def _fail_open_batches(self, entry: _Entry, reason: Reason) -> None:
-        """Fails the Park batches still open on an ending id (its chunks are freed by the
-        caller, with the rest of the id)."""
-        parked = len(entry.chunks)
-        for batch in list(entry.open_batches):
-            batch.stored_ids.clear()
-            batch.failed = Refusal(reason, f"id ended: {reason_name(reason)}")
-            if reason == ALREADY_CONSUMED:
-                batch.consumed = ParkDone(parked, 0.0)
-            self._close_batch(batch)
-
     def _fail_binding(self, entry: _Entry, binding: FetchBinding, reason: Reason) -> None:
         """Detaches the Fetch bound to an ending id and wakes it to report `reason`."""
         binding.failed = Refusal(reason, f"id ended: {reason_name(reason)}")
-        entry.binding = None
-        binding.active = False
-        self._bound -= 1
+        self._unbind(entry, binding)
         binding.notify()
 
-    def _free_chunk(self, entry: _Entry, stored: _Stored) -> None:
-        self.pool.free(stored.handle)
-        entry.nbytes -= stored.handle.nbytes
-        self._parked_bytes -= stored.handle.nbytes
-
     def _drop_if_idle(self, entry: _Entry) -> None:
-        """Forgets an id that holds no chunk and has nothing attached (no tombstone: nothing
-        was lost, a retry may start over)."""
+        """Forgets an id that holds no committed chunk and has nothing attached (no tombstone:
+        nothing was lost, a retry may start over)."""
         if (
             not entry.chunks
             and entry.binding is None
@@ -771,6 +953,7 @@ class Lot:
             and self._entries.get(entry.kv_request_id) is entry
         ):
             del self._entries[entry.kv_request_id]
+            self._delivered.pop(entry.kv_request_id, None)
             # Never shorten an intent recorded before this entry existed.
             if entry.intent_deadline > max(
                 self.clock(), self._intents.get(entry.kv_request_id, 0.0)
@@ -784,8 +967,11 @@ class Lot:
 
     # =============================================================================== Shutdown
     def begin_shutdown(self) -> None:
-        """New Parks and Fetches are refused SHUTTING_DOWN; bound Fetches go on."""
+        """New Parks and Fetches are refused SHUTTING_DOWN and open Park batches are undone
+        (their handlers answer SHUTTING_DOWN at once); bound Fetches go on."""
         self._shutting_down = True
+        for batch in list(self._open_batches):
+            self._undo_from_outside(batch, Refusal(SHUTTING_DOWN, "producer is shutting down"))
 
     def fail_all(self, reason: Reason = SHUTTING_DOWN) -> int:
         """Ends every live id with `reason` (what remains after the shutdown grace)."""
@@ -799,27 +985,41 @@ class Lot:
 
     # ========================================================================== Observability
     def statistics(self) -> LotStatistics:
+        delivered = len(self._delivered)
         return LotStatistics(
-            parked_ids=len(self._entries) - self._bound,
+            parked_ids=self._committed_ids - delivered - self._bound_committed,
             bound_ids=self._bound,
+            delivered_ids=delivered,
+            open_batches=len(self._open_batches),
             tombstones=len(self._tombstones),
             intents=len(self._intents),
             parked_bytes=self._parked_bytes,
+            pending_bytes=self._pending_bytes,
             reaped_total=self.reaped_total,
             consumed_total=self.consumed_total,
+            confirmed_total=self.confirmed_total,
+            delivered_total=self.delivered_total,
+            redelivered_total=self.redelivered_total,
+            evicted_total=self.evicted_total,
             released_total=self.released_total,
             late_fetch_rejections_total=self.late_fetch_rejections_total,
             late_park_rejections_total=self.late_park_rejections_total,
             parked_bytes_total=self.parked_bytes_total,
+            stalled_fetches_total=self.stalled_fetches_total,
+            idle_batches_total=self.idle_batches_total,
             shutting_down=self._shutting_down,
         )
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the lot and the pool disagree or a counter went wrong."""
         self.pool.check_invariants()
-        bound = sum(1 for e in self._entries.values() if e.binding is not None)
+        entries = self._entries.values()
+        bound = sum(1 for e in entries if e.binding is not None)
         assert bound == self._bound >= 0, f"bound count {self._bound}, actual {bound}"
-        total = 0
+        bound_committed = sum(1 for e in entries if e.binding and e.committed_at is not None)
+        assert bound_committed == self._bound_committed, "bound committed count is off"
+        assert sum(1 for e in entries if e.committed_at is not None) == self._committed_ids
+        committed = pending = 0
         for kid, entry in self._entries.items():
             assert entry.kv_request_id == kid
             assert kid not in self._tombstones, f"{kid!r} is live and tombstoned"
@@ -832,9 +1032,25 @@ class Lot:
             assert entry.chunks or entry.binding is not None or entry.open_batches, (
                 f"{kid!r} is idle"
             )
-            total += size
-        assert total == self._parked_bytes >= 0, "parked bytes are off"
-        assert self.pool.statistics().stored_bytes == total, "pool holds bytes no id owns"
+            if kid in self._delivered:
+                assert entry.delivery_id and entry.binding is None
+            elif entry.delivery_id:
+                assert entry.binding is not None and entry.binding.redelivery
+            if entry.committed_at is not None:
+                assert entry.deadline is not None and entry.chunks
+            for batch in entry.open_batches:
+                assert batch in self._open_batches and not batch.done and batch.failed is None
+                for s in batch.pending.values():
+                    assert self.pool.is_live(s.handle), f"{kid!r}: a batch holds a freed slot"
+                    pending += s.handle.nbytes
+            committed += size
+        assert len(self._open_batches) == sum(len(e.open_batches) for e in self._entries.values())
+        assert all(kid in self._entries for kid in self._delivered)
+        assert committed == self._parked_bytes >= 0, "parked bytes are off"
+        assert pending == self._pending_bytes >= 0, "pending bytes are off"
+        assert self.pool.statistics().stored_bytes == committed + pending, (
+            "pool holds bytes no id or batch owns"
+        )
         assert len(self._tombstones) <= self.settings.max_tombstones
         assert len(self._intents) <= self.settings.max_tombstones
         assert all(math.isfinite(t.at) for t in self._tombstones.values())

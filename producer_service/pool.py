@@ -142,10 +142,11 @@ class HostPool:
         from_reservation = reservation.pages if reservation is not None and reservation.open else []
         if need > len(from_reservation) + len(self._free_pages):
             return None
-        pages: list[int] = []
-        while len(pages) < need and from_reservation:
-            pages.append(from_reservation.pop(0))
-            self._reserved_pages -= 1
+        # Reserved pages first, taken from the front in one slice (they are in address order).
+        taken = min(need, len(from_reservation))
+        pages = from_reservation[:taken]
+        del from_reservation[:taken]
+        self._reserved_pages -= taken
         while len(pages) < need:
             pages.append(self._free_pages.pop())
         extents = self._extents(pages, nbytes)
@@ -199,12 +200,30 @@ class HostPool:
 
     def equals(self, handle: SlotHandle, data: memoryview) -> bool:
         """Whether the stored chunk holds exactly `data` (idempotent re-park check)."""
-        slot = self._slot(handle)
-        if slot.nbytes != len(data):
+        return self._slot(handle).nbytes == len(data) and self.equals_at(handle, 0, data)
+
+    def same_bytes(self, a: SlotHandle, b: SlotHandle) -> bool:
+        """Whether two stored chunks hold exactly the same bytes."""
+        if self._slot(a).nbytes != self._slot(b).nbytes:
             return False
         pos = 0
-        for offset, length in slot.extents:
-            if self._memory[offset : offset + length] != data[pos : pos + length]:
+        for view in self.views(a):
+            if not self.equals_at(b, pos, view):
+                return False
+            pos += len(view)
+        return True
+
+    def equals_at(self, handle: SlotHandle, start: int, data: memoryview) -> bool:
+        """Whether the stored chunk holds `data` at byte `start`."""
+        pos = 0
+        end = start + len(data)
+        for offset, length in self._slot(handle).extents:
+            lo, hi = max(start, pos), min(end, pos + length)
+            if (
+                lo < hi
+                and self._memory[offset + lo - pos : offset + hi - pos]
+                != data[lo - start : hi - start]
+            ):
                 return False
             pos += length
         return True

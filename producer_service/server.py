@@ -27,6 +27,7 @@ from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
 from .config import ProducerConfig
+from .fd_budget import check_fd_budget
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
@@ -36,11 +37,26 @@ from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
 
 log = logging.getLogger(LOGGER_NAME)
 
-# Transport keepalive: a consumer that vanished without a FIN (network cut, paused container)
-# is noticed within about PING + TIMEOUT seconds and its Fetch cancelled, so the id goes back
-# to PARKED and its lease runs again instead of staying bound forever.
+# Transport keepalive: a peer that vanished without a FIN (network cut, paused container) is
+# noticed within about PING + TIMEOUT seconds and its calls cancelled, so a bound id goes back
+# to PARKED and an open batch is undone instead of holding pages for ever. grpc core also
+# bounds every ping by `grpc.http2.ping_timeout_ms` (one minute by default), which otherwise
+# wins over the keepalive timeout: both are set.
 _KEEPALIVE_PING_MS = 5_000
 _KEEPALIVE_TIMEOUT_MS = 5_000
+# A connection that never completes its handshake (TCP open, no HTTP/2 preface or TLS hello)
+# holds a file descriptor; one that carries no call for a while is closed too. Clients
+# reconnect on their next call.
+_HANDSHAKE_TIMEOUT_MS = 5_000
+_CONNECTION_IDLE_MS = 5 * 60_000
+# Every connection is recycled after this age (clients reconnect at once; calls in flight get
+# the grace to finish). It bounds how long a consumer that stopped reading can keep the last
+# frame grpc core holds for it, since a server has no other way to drop such a stream.
+_CONNECTION_AGE_MS = 10 * 60_000
+_CONNECTION_AGE_GRACE_MS = 30_000
+# File descriptors the process needs besides one per connection (pool, logs, metrics, data
+# listeners, grpc's own pipes and epoll), checked against RLIMIT_NOFILE at start-up.
+_FD_MARGIN = 64
 # How often shutdown re-checks whether bound Fetches have drained.
 _DRAIN_POLL_S = 0.02
 
@@ -53,9 +69,15 @@ def _grpc_options(config: ProducerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", config.max_chunk_bytes + 65536),
         ("grpc.keepalive_time_ms", _KEEPALIVE_PING_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.server_handshake_timeout_ms", _HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", _CONNECTION_IDLE_MS),
+        ("grpc.max_connection_age_ms", _CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
         ("grpc.so_reuseport", 0),
     ]
 
@@ -89,14 +111,21 @@ class ProducerServer:
             max_fetch_wait_s=config.max_fetch_wait_s,
             max_tombstones=config.max_tombstones,
             reap_interval_s=config.reap_interval_s,
+            park_idle_timeout_s=config.park_idle_timeout_s,
+            delivery_grace_s=config.delivery_grace_s,
+            max_batch_bytes=max(1, int(self.pool.pool_bytes * config.max_batch_share)),
         )
         self.lot = Lot(self.pool, settings, self.epoch, clock)
         self.metrics = ProducerMetrics(self.lot)
+        self._auth = self._token_interceptor()
         self.servicer = KVProducerServicer(
             self.lot,
             self.metrics,
             max_chunk_bytes=config.max_chunk_bytes,
+            fetch_stall_timeout_s=config.fetch_stall_timeout_s,
             server_info=self.server_info,
+            may_give_up=self._auth.may_give_up if self._auth else lambda metadata: True,
+            advertise_address=config.advertise_address,
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -109,9 +138,14 @@ class ProducerServer:
 
     # ---------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        interceptors = self._interceptors()
+        check_fd_budget(self.config.max_connections + _FD_MARGIN)
+        interceptors = [self._auth] if self._auth else []
         self._warn_half_protected(interceptors)
-        server = grpc.aio.server(options=_grpc_options(self.config), interceptors=interceptors)
+        server = grpc.aio.server(
+            options=_grpc_options(self.config),
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+        )
         server.add_generic_rpc_handlers([method_handlers(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -144,12 +178,12 @@ class ProducerServer:
             },
         )
 
-    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def _token_interceptor(self) -> TokenAuthInterceptor | None:
         c = self.config
         park, fetch = c.resolved_park_token(), c.resolved_fetch_token()
         if not (park or fetch):
-            return []
-        return [TokenAuthInterceptor(park, fetch, on_suppressed=self.metrics.count_suppressed)]
+            return None
+        return TokenAuthInterceptor(park, fetch, on_suppressed=self.metrics.count_suppressed)
 
     def _warn_half_protected(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
         """A token for one role only leaves the other role's methods open (spec §6). That is
@@ -204,6 +238,11 @@ class ProducerServer:
             consumer_load_timeout_s=c.consumer_load_timeout_s,
             max_lease_s=c.max_lease_s,
             max_fetch_wait_s=c.max_fetch_wait_s,
+            park_idle_timeout_s=c.park_idle_timeout_s,
+            delivery_grace_s=c.delivery_grace_s,
+            fetch_stall_timeout_s=c.fetch_stall_timeout_s,
+            max_batch_bytes=self.lot.max_batch_bytes,
+            advertise_address=c.advertise_address,
         )
 
     async def _reap_forever(self) -> None:
@@ -222,7 +261,7 @@ class ProducerServer:
                 # A bug in one pass must not end reaping for good (leases would never expire
                 # again and the pool would fill): say so loudly and try again next interval.
                 log.exception("reaper pass failed")
-            nxt = self.lot.next_lease_deadline()
+            nxt = self.lot.next_deadline()
             delay = interval if nxt is None else min(interval, max(0.0, nxt - clock()))
             self._reap_now.clear()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the shutdown's cancel.
@@ -268,9 +307,6 @@ class ProducerServer:
             self._reaper.cancel()
         self.metrics.close()
         self._stopped.set()
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
 
 async def serve(config: ProducerConfig) -> int:

@@ -14,6 +14,7 @@ that registers the service.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -28,11 +29,13 @@ from kvpark.pb import kvpark_pb2 as pb
 
 from .logs import LOGGER_NAME, RateLimitedWarnings
 from .lot import (
+    FetchBinding,
     FetchEnd,
     FetchWait,
     Lot,
     MalformedRequest,
     ParkBatch,
+    ParkDone,
     ReadyChunk,
     Refusal,
     reason_name,
@@ -52,17 +55,33 @@ class KVProducerServicer:
         metrics: ProducerMetrics,
         *,
         max_chunk_bytes: int,
+        fetch_stall_timeout_s: float,
         server_info: Callable[[], pb.ServerInfo],
+        may_give_up: Callable[[Any], bool] = lambda metadata: True,
+        advertise_address: str = "",
     ) -> None:
+        self._advertise_address = advertise_address
         self._lot = lot
         self._metrics = metrics
         self._max_chunk_bytes = max_chunk_bytes
+        self._fetch_stall_timeout_s = fetch_stall_timeout_s
         self._server_info = server_info
+        # Whether a caller (by its metadata) may give ids up; confirming a delivery is open to
+        # both roles (auth.py holds the roles table).
+        self._may_give_up = may_give_up
         self._warnings = RateLimitedWarnings(log, metrics.count_suppressed)
 
     # =================================================================================== Park
     async def Park(self, requests: AsyncIterator[bytes], context: Any) -> pb.ParkResponse:
-        first = await anext(requests, None)
+        settings = self._lot.settings
+        # The wait for the header is bounded like any other silence: a stream that opens and
+        # never speaks must not hold a call slot for ever.
+        try:
+            async with asyncio.timeout(settings.park_idle_timeout_s):
+                first = await anext(requests, None)
+        except TimeoutError:
+            detail = f"no ParkHeader within {settings.park_idle_timeout_s:g}s (park_idle_timeout_s)"
+            return self._park_failed(Refusal(pb.REASON_NOT_COMMITTED, detail))
         if first is None:
             await _invalid(context, "empty Park stream: the first message must be a ParkHeader")
         header = await _parse_park(context, first)
@@ -75,60 +94,64 @@ class KVProducerServicer:
                 self._warn_late("late_park", kid, opened, context)
             return self._park_failed(opened)
         batch: ParkBatch = opened
-        # A stream that goes quiet for as long as a lease is stuck: its batch is undone then,
-        # rather than holding its reserved pages while the client lives on without sending.
-        idle_s = self._lot.settings.unbound_store_timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        # The lot ends a batch from outside its call on idle expiry, shutdown or the end of
+        # its id; waking the handler (it sits in `anext`) lets it answer in-band at once.
+        batch.wake = functools.partial(_interrupt, task)
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(idle_s):
-                        raw = await anext(requests)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    return self._park_failed(self._lot.expire_park(batch, idle_s))
+            async for raw in requests:
                 message = await _parse_park(context, raw)
-                if not isinstance(message, wire.ChunkView):
+                if isinstance(message, wire.ChunkView):
+                    refused = await self._park_chunk(batch, message, context)
+                    if refused is not None:
+                        if refused.late:
+                            self._warn_late("late_park", kid, refused, context)
+                        return self._park_failed(refused)
+                elif isinstance(message, pb.ParkCommit):
+                    return self._park_committed(
+                        self._lot.commit_park(batch, message.chunks, message.bytes)
+                    )
+                else:
                     self._lot.abort_park(batch)
                     await _invalid(
                         context, "ParkHeader repeated: only the first message may be a header"
                     )
-                if len(message.data) > self._max_chunk_bytes:
-                    self._lot.abort_park(batch)
-                    await _invalid(
-                        context,
-                        f"chunk {message.chunk_id} is {len(message.data)} bytes, "
-                        f"more than max_chunk_bytes {self._max_chunk_bytes}",
-                    )
-                try:
-                    refused = self._lot.park_chunk(
-                        batch, message.chunk_id, message.data, message.crc32c
-                    )
-                except MalformedRequest as exc:
-                    await _invalid(context, str(exc))
-                if refused is not None:
-                    if refused.late:
-                        self._warn_late("late_park", kid, refused, context)
-                    return self._park_failed(refused)
-            # A client that went away (cancel, deadline, crash) ends the request stream just
-            # like one that finished, and grpc.aio cancels this task a loop turn later: give it
-            # that turn and look, so a cut-off batch is undone below instead of committed.
-            await asyncio.sleep(0)
-            remaining = context.time_remaining()  # None without a deadline
-            if context.cancelled() or (remaining is not None and remaining <= 0):
-                raise asyncio.CancelledError
-            done = self._lot.finish_park(batch)
+            return self._park_failed(self._lot.end_park_stream(batch))
+        except asyncio.CancelledError:
+            if batch.failed is not None and _uncancel_wakeup(task):
+                return self._park_failed(batch.failed)
+            raise  # the client went away: the finally undoes the batch
         finally:
-            # Cancelled, aborted or crashed mid-stream: the batch is undone (all-or-nothing).
+            self._lot.abort_park(batch)  # a no-op once committed or already undone
+
+    async def _park_chunk(
+        self, batch: ParkBatch, chunk: wire.ChunkView, context: Any
+    ) -> Refusal | None:
+        if len(chunk.data) > self._max_chunk_bytes:
             self._lot.abort_park(batch)
+            await _invalid(
+                context,
+                f"chunk {chunk.chunk_id} is {len(chunk.data)} bytes, "
+                f"more than max_chunk_bytes {self._max_chunk_bytes}",
+            )
+        try:
+            return self._lot.park_chunk(batch, chunk.chunk_id, chunk.data, chunk.crc32c)
+        except MalformedRequest as exc:
+            await _invalid(context, str(exc))
+
+    def _park_committed(self, done: ParkDone | Refusal) -> pb.ParkResponse:
         if isinstance(done, Refusal):
             return self._park_failed(done)
         self._metrics.count_park(pb.REASON_UNSPECIFIED)
         return pb.ParkResponse(
             status=pb.STATUS_OK,
             chunks_parked=done.chunks_parked,
+            bytes_parked=done.bytes_parked,
+            total_chunks=done.total_chunks,
             producer_epoch=self._lot.epoch,
             lease_remaining_s=done.lease_remaining_s,
+            advertise_address=self._advertise_address,
         )
 
     def _park_failed(self, refusal: Refusal) -> pb.ParkResponse:
@@ -142,9 +165,9 @@ class KVProducerServicer:
         )
 
     # ================================================================================== Fetch
-    async def Fetch(self, raw: pb.FetchRequest | Malformed, context: Any) -> bytes:
-        """Streams the id's chunks with `context.write` and returns the final `TransferDone`
-        frame (see `method_handlers` for why Fetch is registered this way)."""
+    async def Fetch(self, raw: pb.FetchRequest | Malformed, context: Any) -> None:
+        """Streams the id's chunks, then its TransferDone, with `context.write` (the
+        Reader/Writer form of a grpc.aio server-streaming handler)."""
         started = time.monotonic()
         request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
@@ -168,11 +191,14 @@ class KVProducerServicer:
         if isinstance(bound, Refusal):
             if bound.late:
                 self._warn_late("late_fetch", kid, bound, context)
-            return self._fetch_done(FetchEnd(bound, 0, 0), started)
+            await context.write(self._fetch_done(FetchEnd(bound, 0, 0), started))
+            return
         binding = bound
         if binding.time_to_fetch_s is not None:
             self._metrics.time_to_fetch_seconds.observe(binding.time_to_fetch_s)
         clock = self._lot.clock
+        stall_s = self._fetch_stall_timeout_s
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 wakeup.clear()  # before asking, so a notify during the answer is not lost
@@ -180,7 +206,21 @@ class KVProducerServicer:
                 if isinstance(step, ReadyChunk):
                     frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
                     self._metrics.sent_bytes_total.inc(step.nbytes)
-                    await context.write(frame)
+                    # A write waits while the consumer's flow-control window is shut. One that
+                    # reads nothing for stall_s loses its id (it goes back to PARKED with a
+                    # fresh lease, for a retry). The write itself is not cancelled: grpc core
+                    # cannot take back a message it holds, and a cancelled send can leave the
+                    # stream stuck. It ends when the consumer reads or its connection goes.
+                    watchdog = loop.call_later(stall_s, self._stalled, binding, kid, context)
+                    try:
+                        await context.write(frame)
+                    finally:
+                        watchdog.cancel()
+                    if not binding.active and binding.failed is None:  # cut off meanwhile
+                        await context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the consumer read nothing for {stall_s:g}s (fetch_stall_timeout_s)",
+                        )
                 elif isinstance(step, FetchWait):
                     try:
                         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel
@@ -189,11 +229,14 @@ class KVProducerServicer:
                         async with asyncio.timeout(max(0.0, step.deadline - clock())):
                             await wakeup.wait()
                     except TimeoutError:
-                        return self._fetch_done(self._lot.fetch_wait_expired(binding), started)
+                        end = self._lot.fetch_wait_expired(binding)
+                        await context.write(self._fetch_done(end, started))
+                        return
                 else:
-                    return self._fetch_done(step, started)
+                    await context.write(self._fetch_done(step, started))
+                    return
         finally:
-            # Consumer cancelled or disconnected: PARKED again with the old lease.
+            # Consumer cancelled or disconnected: the id returns to where it was.
             self._lot.cancel_fetch(binding)
 
     def _fetch_done(self, end: FetchEnd, started: float) -> bytes:
@@ -206,6 +249,8 @@ class KVProducerServicer:
             detail=end.refusal.detail if end.refusal is not None else "",
             chunks_sent=end.chunks_sent,
             bytes_sent=end.bytes_sent,
+            delivery_id=end.delivery_id,
+            producer_epoch=self._lot.epoch,
         )
         return wire.encode_done(done)
 
@@ -224,11 +269,21 @@ class KVProducerServicer:
     async def Release(self, raw: pb.ReleaseRequest | Malformed, context: Any) -> pb.ReleaseResponse:
         request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
-        refused = self._lot.release(kid)
+        confirm = request.delivery_id
+        if not confirm and not self._may_give_up(context.invocation_metadata()):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the fetch token may only confirm a delivery (Release with its delivery_id)",
+            )
+        refused = self._lot.release(kid, confirm)
         if refused is None:
-            log.info("released", extra={"kv": {"id": printable_id(kid), "peer": context.peer()}})
+            if not confirm:  # confirmations are the normal end of every load: not logged
+                fields = {"id": printable_id(kid), "peer": context.peer()}
+                log.info("released", extra={"kv": fields})
             return pb.ReleaseResponse(status=pb.STATUS_OK)
-        return pb.ReleaseResponse(status=pb.STATUS_FAILED, reason=refused.reason)
+        return pb.ReleaseResponse(
+            status=pb.STATUS_FAILED, reason=refused.reason, detail=refused.detail
+        )
 
     async def Lookup(self, raw: pb.LookupRequest | Malformed, context: Any) -> pb.LookupResponse:
         request = await _well_formed(context, raw)
@@ -242,6 +297,17 @@ class KVProducerServicer:
         return self._server_info()
 
     # ================================================================================ helpers
+    def _stalled(self, binding: FetchBinding, kid: str, context: Any) -> None:
+        """A chunk's write has not completed for fetch_stall_timeout_s: the consumer is not
+        reading. Its id goes back to PARKED with a fresh lease."""
+        self._lot.stall_fetch(binding)
+        self._warnings.warn(
+            "stalled_fetch",
+            kid,
+            "Fetch cut off: its consumer read nothing; the id keeps its bytes with a fresh lease",
+            lambda: {"id": printable_id(kid), "peer": context.peer()},
+        )
+
     def _warn_late(self, kind: str, kid: str, refusal: Refusal, context: Any) -> None:
         # Most late calls are suppressed: their fields are only built for the ones logged.
         self._warnings.warn(
@@ -257,7 +323,26 @@ class KVProducerServicer:
         )
 
 
-async def _parse_park(context: Any, raw: bytes) -> pb.ParkHeader | wire.ChunkView:
+def _interrupt(task: asyncio.Task[Any]) -> None:
+    """Wakes a Park handler waiting for the client's next message. Never the running task
+    itself: a handler whose own call ended its batch sees the refusal as a return value."""
+    if task is not asyncio.current_task():
+        task.cancel(_WAKEUP)
+
+
+def _uncancel_wakeup(task: asyncio.Task[Any]) -> bool:
+    """True (and the cancel taken back) when the CancelledError being handled was our wakeup
+    rather than grpc cancelling the call."""
+    if task.cancelling() == 1:
+        task.uncancel()
+        return True
+    return False
+
+
+_WAKEUP = "kvpark: Park batch ended from outside its call"
+
+
+async def _parse_park(context: Any, raw: bytes) -> pb.ParkHeader | wire.ChunkView | pb.ParkCommit:
     try:
         message = wire.parse_park_request(raw)
     except wire.WireError as exc:
@@ -344,15 +429,10 @@ def method_handlers(servicer: KVProducerServicer) -> grpc.GenericRpcHandler:
             "Park": grpc.stream_unary_rpc_method_handler(
                 servicer.Park, response_serializer=lambda m: m.SerializeToString()
             ),
-            # Raw bytes out: frames built by kvpark.wire straight from pool memory.
-            # Registered unary-unary although the contract's Fetch is a server stream: on the
-            # wire the two are the same (HTTP/2 carries messages, not the method's shape), and
-            # grpc.aio sends a unary handler's returned message and the call's status in ONE
-            # batch, where a streaming handler's status costs a second batch and event-loop
-            # hop. Chunks go out with `context.write` before the return. So every Fetch — the
-            # one-RTT late-fetch answer above all — ends with one write instead of two.
-            # Clients see an ordinary server stream (tests use plain generated stubs).
-            "Fetch": grpc.unary_unary_rpc_method_handler(
+            # Raw bytes out: frames built by kvpark.wire straight from pool memory. The handler
+            # writes them with `context.write`, the documented form of a grpc.aio
+            # server-streaming handler that is a coroutine rather than a generator.
+            "Fetch": grpc.unary_stream_rpc_method_handler(
                 servicer.Fetch, request_deserializer=_lenient(pb.FetchRequest)
             ),
             "KeepAlive": unary(servicer.KeepAlive, pb.KeepAliveRequest),

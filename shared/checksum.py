@@ -7,21 +7,12 @@ with the buffer protocol, including memoryviews of the pool and numpy arrays, wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import crc32c as _crc32c
 
 HARDWARE_ACCELERATED: bool = bool(_crc32c.hardware_based)
 
 
-def crc32c_of(data: bytes | bytearray | memoryview) -> int:
-    """CRC32C of one buffer."""
-    return int(_crc32c.crc32c(data))
-
-
-def crc32c_of_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
-    """CRC32C of the concatenation of `parts`, without concatenating them."""
-    value = 0
-    for part in parts:
-        value = _crc32c.crc32c(part, value=value)
-    return int(value)
+def crc32c_of(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC32C of one buffer; with `crc`, of the bytes that gave `crc` followed by `data` (a
+    chunk in several pieces is checksummed piece by piece, never joined)."""
+    return int(_crc32c.crc32c(data, value=crc))

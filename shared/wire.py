@@ -1,21 +1,27 @@
-"""Hand framing of the two data-path messages, byte-identical to the generated stubs.
+"""Hand framing of the data-path messages, byte-identical to the generated stubs.
 
 Why: with protobuf's upb runtime, building a message, parsing one and every read of
-`Chunk.data` copies the payload (performance-notes.md, lever 2). On the data path kvpark builds
-`FetchResponse{chunk}` and `ParkRequest{chunk}` bytes itself and parses them with memoryviews,
-so a payload is copied exactly once on each side (pool -> wire buffer; wire buffer -> caller's
-buffer). Everything else (headers, TransferDone, unary calls) goes through the generated
-classes.
+`Chunk.data` copies the payload. On the data path kvpark builds `FetchResponse{chunk}` and
+`ParkRequest{chunk}` bytes itself and parses them with memoryviews, so a payload is copied
+exactly once on each side (pool -> wire buffer; wire buffer -> caller's buffer). Everything
+else (headers, commits, TransferDone, unary calls) goes through the generated classes.
 
-The encoding is the canonical one (fields in number order, zero scalars omitted), so a client
-or server using ordinary generated stubs in any language sees the same bytes; a test compares
-against `SerializeToString()`. The parsers accept any valid protobuf encoding (any field order,
-unknown fields skipped, last scalar wins), and raise `WireError` on anything malformed.
+Encoding is canonical (fields in number order, unset fields omitted), so a peer using
+ordinary generated stubs in any language sees the same bytes; a test compares against
+`SerializeToString()`.
+
+Parsing reads exactly what protobuf reads, or refuses. Protobuf's rules for what we accept:
+the last occurrence of a scalar or bytes field wins; a message field that occurs again is
+merged with the earlier occurrence, which is the same as parsing the concatenation of both
+bodies; a oneof member replaces whichever other member was set before it; unknown fields are
+skipped. What protobuf would accept but we refuse with `WireError` (the producer answers
+INVALID_ARGUMENT): a known field with another wire type than its declared one, groups, and
+field numbers outside protobuf's range. A property test holds the two readings together.
 
 Field numbers (protos/kvpark/v1/kvpark.proto):
-  Chunk         { chunk_id = 1 (varint); crc32c = 2 (fixed32); data = 3 (bytes) }
+  Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
   FetchResponse { chunk = 1; done = 2 }
-  ParkRequest   { header = 1; chunk = 2 }
+  ParkRequest   { header = 1; chunk = 2; commit = 3 }
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ _DATA_TAG = b"\x1a"  # field 3, length-delimited
 _FETCH_CHUNK_TAG = b"\x0a"  # FetchResponse.chunk: field 1, length-delimited
 _PARK_CHUNK_TAG = b"\x12"  # ParkRequest.chunk: field 2, length-delimited
 _UINT32_MAX = 0xFFFFFFFF
+_UINT64_MAX = 0xFFFFFFFFFFFFFFFF
+_MAX_FIELD_NUMBER = 2**29 - 1
+# Declared wire type of every field we read by hand; any other wire type is refused.
+_CHUNK_WIRE_TYPES = {1: _VARINT, 2: _I32, 3: _LEN}
 
 
 class WireError(ValueError):
@@ -42,10 +52,11 @@ class WireError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ChunkView:
-    """A parsed Chunk whose `data` is a view into the received buffer (no copy)."""
+    """A parsed Chunk whose `data` is a view into the received buffer (no copy). `crc32c` is
+    None when the message did not carry one."""
 
     chunk_id: int
-    crc32c: int
+    crc32c: int | None
     data: memoryview
 
 
@@ -58,19 +69,19 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _chunk_prefix(chunk_id: int, crc32c: int, nbytes: int) -> bytes:
+def _chunk_prefix(chunk_id: int, crc32c: int | None, nbytes: int) -> bytes:
     """Chunk fields before the payload, then the payload's tag and length."""
     parts = []
     if chunk_id:
         parts.append(_CHUNK_ID_TAG + _varint(chunk_id))
-    if crc32c:
+    if crc32c is not None:  # explicit presence: a CRC of 0 is sent too
         parts.append(_CRC_TAG + struct.pack("<I", crc32c))
     parts.append(_DATA_TAG + _varint(nbytes))
     return b"".join(parts)
 
 
 def _frame(
-    outer_tag: bytes, chunk_id: int, crc32c: int, payload: Sequence[memoryview | bytes]
+    outer_tag: bytes, chunk_id: int, crc32c: int | None, payload: Sequence[memoryview | bytes]
 ) -> bytes:
     nbytes = sum(len(p) for p in payload)
     prefix = _chunk_prefix(chunk_id, crc32c, nbytes)
@@ -84,7 +95,9 @@ def encode_fetch_chunk(chunk_id: int, crc32c: int, payload: Sequence[memoryview 
     return _frame(_FETCH_CHUNK_TAG, chunk_id, crc32c, payload)
 
 
-def encode_park_chunk(chunk_id: int, crc32c: int, payload: Sequence[memoryview | bytes]) -> bytes:
+def encode_park_chunk(
+    chunk_id: int, crc32c: int | None, payload: Sequence[memoryview | bytes]
+) -> bytes:
     """`ParkRequest{chunk: Chunk{chunk_id, crc32c, data=concat(payload)}}` serialized."""
     return _frame(_PARK_CHUNK_TAG, chunk_id, crc32c, payload)
 
@@ -94,6 +107,10 @@ def encode_park_header(kv_request_id: str, total_chunks: int = 0, batch_bytes: i
         kv_request_id=kv_request_id, total_chunks=total_chunks, batch_bytes=batch_bytes
     )
     return pb.ParkRequest(header=header).SerializeToString()
+
+
+def encode_park_commit(chunks: int, nbytes: int) -> bytes:
+    return pb.ParkRequest(commit=pb.ParkCommit(chunks=chunks, bytes=nbytes)).SerializeToString()
 
 
 def encode_done(done: pb.TransferDone) -> bytes:
@@ -111,6 +128,8 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if result > _UINT64_MAX:
+                raise WireError("varint larger than 64 bits")
             return result, pos
         shift += 7
         if shift >= 70:
@@ -120,7 +139,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
     """Splits one message into (field number, wire type, value) triples.
 
-    LEN values are views into `buf`; varints/fixed are ints. Groups are rejected (proto3 has
+    LEN values are views into `buf`; varints/fixed are ints. Groups are refused (proto3 has
     none)."""
     out: list[tuple[int, int, int | memoryview]] = []
     pos = 0
@@ -128,8 +147,8 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
-        if field == 0:
-            raise WireError("field number 0")
+        if not 0 < field <= _MAX_FIELD_NUMBER:
+            raise WireError(f"field number {field} out of range")
         if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
             out.append((field, wire_type, value))
@@ -154,75 +173,82 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
     return out
 
 
-def parse_chunk(buf: memoryview) -> ChunkView:
-    """Parses a serialized Chunk; `data` stays a view into `buf`."""
+def parse_chunk(*bodies: memoryview) -> ChunkView:
+    """A Chunk from one serialized body, or from several that protobuf merges (the same as
+    their concatenation): the last occurrence of each field wins. `data` stays a view."""
     chunk_id = 0
-    crc = 0
-    data = buf[0:0]
-    for field, wire_type, value in _fields(buf):
-        if field == 1:
-            if wire_type != _VARINT:
-                raise WireError("Chunk.chunk_id: wrong wire type")
-            assert isinstance(value, int)
-            if value > _UINT32_MAX:
-                # protobuf truncates an oversized uint32 varint to its low 32 bits.
-                value &= _UINT32_MAX
-            chunk_id = value
-        elif field == 2:
-            if wire_type != _I32:
-                raise WireError("Chunk.crc32c: wrong wire type")
-            assert isinstance(value, int)
-            crc = value
-        elif field == 3:
-            if wire_type != _LEN:
-                raise WireError("Chunk.data: wrong wire type")
-            assert isinstance(value, memoryview)
-            data = value
+    crc: int | None = None
+    data = memoryview(b"")
+    for body in bodies:
+        for field, wire_type, value in _fields(body):
+            declared = _CHUNK_WIRE_TYPES.get(field)
+            if declared is None:
+                continue  # unknown field: skipped, as protobuf does
+            if wire_type != declared:
+                raise WireError(f"Chunk field {field}: wire type {wire_type}, not {declared}")
+            if field == 1:
+                assert isinstance(value, int)
+                chunk_id = value & _UINT32_MAX  # protobuf keeps a uint32's low 32 bits
+            elif field == 2:
+                assert isinstance(value, int)
+                crc = value
+            else:
+                assert isinstance(value, memoryview)
+                data = value
     return ChunkView(chunk_id, crc, data)
 
 
-def _oneof(buf: bytes | memoryview, choices: dict[int, str]) -> tuple[str, memoryview] | None:
-    """Returns (name, body view) of the last set oneof member, or None when none is set."""
-    found: tuple[str, memoryview] | None = None
+def _oneof(buf: bytes | memoryview, choices: dict[int, str]) -> tuple[str, list[memoryview]]:
+    """The oneof member set at the end of the message, with the bodies that make it up: a
+    member replaces any other set before it, and repeats of the same member merge."""
+    name = ""
+    bodies: list[memoryview] = []
     for field, wire_type, value in _fields(memoryview(buf)):
-        if field in choices:
-            if wire_type != _LEN:
-                raise WireError(f"{choices[field]}: wrong wire type")
-            assert isinstance(value, memoryview)
-            found = (choices[field], value)
-    return found
+        member = choices.get(field)
+        if member is None:
+            continue
+        if wire_type != _LEN:
+            raise WireError(f"{member}: wire type {wire_type}, not length-delimited")
+        assert isinstance(value, memoryview)
+        if member != name:
+            name, bodies = member, []
+        bodies.append(value)
+    return name, bodies
 
 
-def _parse_oneof(
-    buf: bytes | memoryview, choices: dict[int, str], message_type: Any
-) -> ChunkView | Any | None:
-    """The set member of a oneof whose members are a Chunk (parsed as a view) and one small
-    message (parsed by the generated class); None when no member is set."""
-    member = _oneof(buf, choices)
-    if member is None:
-        return None
-    name, body = member
-    if name == "chunk":
-        return parse_chunk(body)
+def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
     message = message_type()
     try:
-        message.ParseFromString(bytes(body))
+        for body in bodies:
+            message.MergeFromString(bytes(body))
     except Exception as exc:  # protobuf raises its own DecodeError
         raise WireError(f"{message_type.DESCRIPTOR.name}: {exc}") from exc
     return message
 
 
-def parse_park_request(buf: bytes | memoryview) -> pb.ParkHeader | ChunkView | None:
-    """A ParkRequest as its header (a generated message) or its chunk (a view); None if empty."""
-    result: pb.ParkHeader | ChunkView | None = _parse_oneof(
-        buf, {1: "header", 2: "chunk"}, pb.ParkHeader
-    )
-    return result
+def parse_park_request(
+    buf: bytes | memoryview,
+) -> pb.ParkHeader | ChunkView | pb.ParkCommit | None:
+    """A ParkRequest as its header or commit (generated messages) or its chunk (a view); None
+    when no member is set."""
+    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit"})
+    if name == "chunk":
+        return parse_chunk(*bodies)
+    if name == "header":
+        header: pb.ParkHeader = _merged(pb.ParkHeader, bodies)
+        return header
+    if name == "commit":
+        commit: pb.ParkCommit = _merged(pb.ParkCommit, bodies)
+        return commit
+    return None
 
 
 def parse_fetch_response(buf: bytes | memoryview) -> ChunkView | pb.TransferDone | None:
-    """A FetchResponse as its chunk (a view) or its TransferDone; None if empty."""
-    result: ChunkView | pb.TransferDone | None = _parse_oneof(
-        buf, {1: "chunk", 2: "done"}, pb.TransferDone
-    )
-    return result
+    """A FetchResponse as its chunk (a view) or its TransferDone; None when no member is set."""
+    name, bodies = _oneof(buf, {1: "chunk", 2: "done"})
+    if name == "chunk":
+        return parse_chunk(*bodies)
+    if name == "done":
+        done: pb.TransferDone = _merged(pb.TransferDone, bodies)
+        return done
+    return None

@@ -115,8 +115,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = ""
 
 
 def park_requests(
-    kid: str, chunks: dict[int, bytes], total: int = 0, batch_bytes: int = 0, crc: bool = True
+    kid: str,
+    chunks: dict[int, bytes],
+    total: int = 0,
+    batch_bytes: int = 0,
+    crc: bool = True,
+    commit: bool = True,
 ) -> list[pb.ParkRequest]:
+    """One Park batch with plain generated messages: header, chunks, and (unless `commit` is
+    False) the ParkCommit that names what was sent."""
     from kvpark.checksum import crc32c_of
 
     msgs = [
@@ -127,9 +134,12 @@ def park_requests(
     for cid, data in chunks.items():
         msgs.append(
             pb.ParkRequest(
-                chunk=pb.Chunk(chunk_id=cid, data=data, crc32c=crc32c_of(data) if crc else 0)
+                chunk=pb.Chunk(chunk_id=cid, data=data, crc32c=crc32c_of(data) if crc else None)
             )
         )
+    if commit:
+        size = sum(len(d) for d in chunks.values())
+        msgs.append(pb.ParkRequest(commit=pb.ParkCommit(chunks=len(chunks), bytes=size)))
     return msgs
 
 

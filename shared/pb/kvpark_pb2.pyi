@@ -20,6 +20,7 @@ class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_PARKED: _ClassVar[State]
     STATE_BOUND: _ClassVar[State]
     STATE_TOMBSTONED: _ClassVar[State]
+    STATE_DELIVERED: _ClassVar[State]
 
 class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,8 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_SHUTTING_DOWN: _ClassVar[FailureReason]
     REASON_CHUNK_CONFLICT: _ClassVar[FailureReason]
     REASON_CHECKSUM_MISMATCH: _ClassVar[FailureReason]
+    REASON_NOT_COMMITTED: _ClassVar[FailureReason]
+    REASON_COMMIT_MISMATCH: _ClassVar[FailureReason]
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_FAILED: Status
@@ -45,6 +48,7 @@ STATE_UNKNOWN: State
 STATE_PARKED: State
 STATE_BOUND: State
 STATE_TOMBSTONED: State
+STATE_DELIVERED: State
 REASON_UNSPECIFIED: FailureReason
 REASON_REAPED: FailureReason
 REASON_UNKNOWN_ID: FailureReason
@@ -59,6 +63,8 @@ REASON_EPOCH_MISMATCH: FailureReason
 REASON_SHUTTING_DOWN: FailureReason
 REASON_CHUNK_CONFLICT: FailureReason
 REASON_CHECKSUM_MISMATCH: FailureReason
+REASON_NOT_COMMITTED: FailureReason
+REASON_COMMIT_MISMATCH: FailureReason
 
 class Chunk(_message.Message):
     __slots__ = ("chunk_id", "crc32c", "data")
@@ -80,16 +86,26 @@ class ParkHeader(_message.Message):
     batch_bytes: int
     def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ...) -> None: ...
 
+class ParkCommit(_message.Message):
+    __slots__ = ("chunks", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class ParkRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    commit: ParkCommit
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
-    __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s")
+    __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s", "bytes_parked", "total_chunks", "advertise_address")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +113,9 @@ class ParkResponse(_message.Message):
     PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PARKED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: FailureReason
     detail: str
@@ -104,7 +123,10 @@ class ParkResponse(_message.Message):
     producer_epoch: int
     lease_remaining_s: float
     retry_after_s: float
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    bytes_parked: int
+    total_chunks: int
+    advertise_address: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s")
@@ -127,18 +149,22 @@ class FetchResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent")
+    __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent", "delivery_id", "producer_epoch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: FailureReason
     detail: str
     chunks_sent: int
     bytes_sent: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    delivery_id: int
+    producer_epoch: int
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., delivery_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("kv_request_ids", "extend_s")
@@ -155,18 +181,22 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, states: _Optional[_Iterable[_Union[IdState, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("kv_request_id",)
+    __slots__ = ("kv_request_id", "delivery_id")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
-    def __init__(self, kv_request_id: _Optional[str] = ...) -> None: ...
+    delivery_id: int
+    def __init__(self, kv_request_id: _Optional[str] = ..., delivery_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("status", "reason")
+    __slots__ = ("status", "reason", "detail")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: FailureReason
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ...) -> None: ...
+    detail: str
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("kv_request_ids",)
@@ -205,7 +235,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s")
+    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s", "park_idle_timeout_s", "delivery_grace_s", "fetch_stall_timeout_s", "max_batch_bytes", "advertise_address")
     PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +246,11 @@ class ServerInfo(_message.Message):
     CONSUMER_LOAD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MAX_FETCH_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PARK_IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    FETCH_STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     producer_epoch: int
     version: str
     pool_bytes: int
@@ -226,4 +261,9 @@ class ServerInfo(_message.Message):
     consumer_load_timeout_s: float
     max_lease_s: float
     max_fetch_wait_s: float
-    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ...) -> None: ...
+    park_idle_timeout_s: float
+    delivery_grace_s: float
+    fetch_stall_timeout_s: float
+    max_batch_bytes: int
+    advertise_address: str
+    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ..., park_idle_timeout_s: _Optional[float] = ..., delivery_grace_s: _Optional[float] = ..., fetch_stall_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., advertise_address: _Optional[str] = ...) -> None: ...

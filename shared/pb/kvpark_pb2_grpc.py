@@ -72,9 +72,11 @@ class KVProducerServicer:
     """
 
     def Park(self, request_iterator, context):
-        """Producer side uploads one batch of chunks for one id. The first message must be a
-        ParkHeader; the rest are Chunks. May be called several times per id (one call = one batch;
-        a batch is all-or-nothing). Requires the park token when tokens are configured.
+        """Producer side uploads one batch of chunks for one id: a ParkHeader, Chunks, then a
+        ParkCommit. Nothing of the batch is visible before the commit, and a commit whose counts
+        do not match what arrived, or a stream that ends without one, undoes the whole batch. May
+        be called several times per id (one call = one batch). The producer answers as soon as it
+        has the commit. Requires the park token when tokens are configured.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,8 +84,9 @@ class KVProducerServicer:
 
     def Fetch(self, request, context):
         """Consumer pulls chunks of one id, in the requested order, as they become available. The
-        last message of every stream is a TransferDone. Cancelling the call (deadline, cancel,
-        disconnect) returns the id to PARKED with its old lease. Requires the fetch token.
+        last message of every accepted stream is a TransferDone. Cancelling the call (deadline,
+        cancel, disconnect) returns the id to where it was (PARKED with its old lease, or
+        DELIVERED). Requires the fetch token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,8 +101,9 @@ class KVProducerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Gives up an id: frees its parked memory and tombstones it REASON_RELEASED. Requires the
-        park token.
+        """With delivery_id 0: gives up an id, frees its memory and tombstones it REASON_RELEASED
+        (park token). With a delivery_id: the consumer confirms that delivery, which frees the id
+        and tombstones it REASON_ALREADY_CONSUMED (fetch or park token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

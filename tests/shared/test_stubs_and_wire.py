@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpark import wire
+from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,26 +48,150 @@ def test_stubs_import_outside_the_source_tree(tmp_path: Path) -> None:
 
 @given(
     chunk_id=st.integers(0, 2**32 - 1),
-    crc=st.integers(0, 2**32 - 1),
+    crc=st.none() | st.integers(0, 2**32 - 1),
     data=st.binary(min_size=1, max_size=4096),
     split=st.integers(0, 4096),
 )
 def test_hand_frames_equal_generated_serialization(
-    chunk_id: int, crc: int, data: bytes, split: int
+    chunk_id: int, crc: int | None, data: bytes, split: int
 ) -> None:
     parts = [memoryview(data)[:split], memoryview(data)[split:]]
     chunk = pb.Chunk(chunk_id=chunk_id, crc32c=crc, data=data)
-    assert (
-        wire.encode_fetch_chunk(chunk_id, crc, parts)
-        == pb.FetchResponse(chunk=chunk).SerializeToString()
-    )
+    assert chunk.HasField("crc32c") == (crc is not None)
     assert (
         wire.encode_park_chunk(chunk_id, crc, parts)
         == pb.ParkRequest(chunk=chunk).SerializeToString()
     )
+    if crc is not None:
+        assert (
+            wire.encode_fetch_chunk(chunk_id, crc, parts)
+            == pb.FetchResponse(chunk=chunk).SerializeToString()
+        )
     parsed = wire.parse_fetch_response(pb.FetchResponse(chunk=chunk).SerializeToString())
     assert isinstance(parsed, wire.ChunkView)
     assert (parsed.chunk_id, parsed.crc32c, bytes(parsed.data)) == (chunk_id, crc, data)
+
+
+def test_a_crc_of_zero_is_present_and_an_absent_one_is_none() -> None:
+    zero = wire.parse_park_request(wire.encode_park_chunk(3, 0, [b"abc"]))
+    absent = wire.parse_park_request(wire.encode_park_chunk(3, None, [b"abc"]))
+    assert isinstance(zero, wire.ChunkView) and zero.crc32c == 0
+    assert isinstance(absent, wire.ChunkView) and absent.crc32c is None
+
+
+def test_a_repeated_chunk_merges_as_protobuf_does() -> None:
+    """chunk{id 0, crc of "a...", data "a..."} then chunk{data "b..."}: protobuf reads chunk 0
+    with the CRC of the a's and the b's as data, a CRC mismatch, not a chunk without CRC."""
+    a, b = b"a" * 64, b"b" * 64
+    raw = (
+        pb.ParkRequest(chunk=pb.Chunk(chunk_id=0, crc32c=crc32c_of(a), data=a)).SerializeToString()
+        + pb.ParkRequest(chunk=pb.Chunk(data=b)).SerializeToString()
+    )
+    reference = pb.ParkRequest.FromString(raw)
+    parsed = wire.parse_park_request(raw)
+    assert isinstance(parsed, wire.ChunkView)
+    assert bytes(parsed.data) == reference.chunk.data == b
+    assert parsed.crc32c == reference.chunk.crc32c == crc32c_of(a)
+    assert parsed.crc32c != crc32c_of(bytes(parsed.data))
+
+
+def _park_messages() -> st.SearchStrategy[bytes]:
+    chunk = st.builds(
+        lambda cid, crc, data: pb.ParkRequest(chunk=pb.Chunk(chunk_id=cid, crc32c=crc, data=data)),
+        st.integers(0, 2**32 - 1),
+        st.none() | st.integers(0, 2**32 - 1),
+        st.binary(max_size=32),
+    )
+    header = st.builds(
+        lambda kid, total, size: pb.ParkRequest(
+            header=pb.ParkHeader(kv_request_id=kid, total_chunks=total, batch_bytes=size)
+        ),
+        st.text(max_size=8),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+    )
+    commit = st.builds(
+        lambda n, size: pb.ParkRequest(commit=pb.ParkCommit(chunks=n, bytes=size)),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+    )
+    return st.one_of(chunk, header, commit, st.just(pb.ParkRequest())).map(
+        lambda m: m.SerializeToString()
+    )
+
+
+def _fields_of(raw: bytes) -> list[bytes]:
+    """The encoded fields of a serialized message, each as its own bytes (tag included)."""
+    view = memoryview(raw)
+    out, pos = [], 0
+    while pos < len(raw):
+        start = pos
+        key, pos = wire._read_varint(view, pos)
+        kind = key & 7
+        if kind == 0:
+            _, pos = wire._read_varint(view, pos)
+        elif kind == 2:
+            length, pos = wire._read_varint(view, pos)
+            pos += length
+        else:
+            pos += 4 if kind == 5 else 8
+        out.append(raw[start:pos])
+    return out
+
+
+def _same_reading(raw: bytes) -> None:
+    """wire reads `raw` as protobuf does, or refuses it; never something else."""
+    try:
+        reference = pb.ParkRequest.FromString(raw)
+    except Exception:
+        reference = None
+    try:
+        parsed = wire.parse_park_request(raw)
+    except wire.WireError:
+        return  # refused: allowed
+    assert reference is not None, "wire read what protobuf refuses"
+    member = reference.WhichOneof("kind")
+    if member is None:
+        assert parsed is None
+    elif member == "chunk":
+        assert isinstance(parsed, wire.ChunkView)
+        chunk = reference.chunk
+        expected_crc = chunk.crc32c if chunk.HasField("crc32c") else None
+        assert (parsed.chunk_id, parsed.crc32c, bytes(parsed.data)) == (
+            chunk.chunk_id,
+            expected_crc,
+            chunk.data,
+        )
+    else:
+        assert parsed == getattr(reference, member)
+
+
+@given(st.lists(_park_messages(), min_size=1, max_size=5))
+def test_concatenated_messages_read_as_protobuf_reads_them(messages: list[bytes]) -> None:
+    _same_reading(b"".join(messages))
+
+
+@given(st.lists(_park_messages(), min_size=1, max_size=3), st.data())
+def test_repeated_fields_read_as_protobuf_reads_them(messages: list[bytes], data: Any) -> None:
+    """Fields of the outer message and of the chunk inside it, repeated and reordered."""
+    fields = [f for m in messages for f in _fields_of(m)]
+    picks = data.draw(st.lists(st.sampled_from(fields), max_size=8)) if fields else []
+    _same_reading(b"".join(fields + picks))
+    for raw in messages:
+        message = pb.ParkRequest.FromString(raw)
+        if message.WhichOneof("kind") != "chunk":
+            continue
+        inner = _fields_of(message.chunk.SerializeToString())
+        if not inner:
+            continue
+        repeated = data.draw(st.lists(st.sampled_from(inner), min_size=1, max_size=6))
+        body = b"".join(inner + repeated)
+        _same_reading(b"\x12" + wire._varint(len(body)) + body)
+
+
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_are_read_as_protobuf_reads_them_or_refused(raw: bytes) -> None:
+    _same_reading(raw)
 
 
 def test_parsers_accept_any_field_order_and_skip_unknown_fields() -> None:

@@ -1,0 +1,110 @@
+"""How every kvpark client opens its one channel: target, token, credentials, options.
+
+`KVConsumer`, `KVParker` and their async twins each own one channel to one producer, built
+from one `ChannelSettings`, so the transport settings that matter for multi-MiB messages
+(receive limit, keepalive, reconnect backoff, frame and read sizes) cannot drift apart between
+the decode side and the prefill side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ._errors import UsageError
+
+# Room for a message's framing around a max_chunk_bytes payload (a few bytes are needed; the
+# producer uses the same margin).
+FRAME_MARGIN_BYTES = 64 * 1024
+# The largest chunk a client receives or sends unless told otherwise. Above the producer's
+# default max_chunk_bytes (16 MiB), so a producer configured for larger chunks works too; a
+# client learns the producer's own limit from ServerInfo and warns when it is larger.
+DEFAULT_MAX_CHUNK_BYTES = 64 * 1024 * 1024
+# Transport keepalive while a call is open: a producer that vanished without closing the
+# connection (network cut, frozen host) is noticed within about PING + TIMEOUT seconds. The
+# producer permits pings every 1 s. A killed process is noticed at once (the kernel resets
+# the connection), without waiting for a ping.
+KEEPALIVE_PING_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 2_000
+# Reconnect quickly after a producer restart: a worker should see the new process (and its
+# EPOCH_MISMATCH answers) within a second or two, not after grpc's default 120 s backoff.
+# (Not grpc.min_reconnect_backoff_ms: grpc core also uses it as the minimum time a connection
+# attempt may take, default 20 s; lowering it fails slow handshakes, e.g. TLS on a busy node.)
+RECONNECT_BACKOFF_MS = (100, 2_000)  # initial, max
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSettings:
+    target: str
+    metadata: tuple[tuple[str, str], ...] | None
+    credentials: grpc.ChannelCredentials | None
+    options: tuple[tuple[str, Any], ...]
+    interceptors: tuple[Any, ...]
+    max_chunk_bytes: int
+
+    @classmethod
+    def build(
+        cls,
+        target: str,
+        *,
+        token: str | None,
+        credentials: grpc.ChannelCredentials | None,
+        channel_options: Sequence[tuple[str, Any]],
+        interceptors: Sequence[Any],
+        max_chunk_bytes: int,
+    ) -> ChannelSettings:
+        if not isinstance(target, str) or not target:
+            raise UsageError(f"target: expected 'host:port', got {target!r}")
+        if token is not None and (not isinstance(token, str) or not token or "\n" in token):
+            raise UsageError("token: expected a non-empty one-line string")
+        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+            raise UsageError(f"max_chunk_bytes: expected an int, got {max_chunk_bytes!r}")
+        if not 0 < max_chunk_bytes <= 2**31 - 1 - FRAME_MARGIN_BYTES:
+            raise UsageError(f"max_chunk_bytes: out of range: {max_chunk_bytes}")
+        limit = max_chunk_bytes + FRAME_MARGIN_BYTES
+        options: dict[str, Any] = {
+            "grpc.max_receive_message_length": limit,
+            "grpc.max_send_message_length": limit,
+            "grpc.keepalive_time_ms": KEEPALIVE_PING_MS,
+            "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+            "grpc.http2.ping_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+            "grpc.keepalive_permit_without_calls": 0,
+            "grpc.http2.max_pings_without_data": 0,
+            "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
+            "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[1],
+            # Larger HTTP/2 frames and socket reads for multi-MiB chunks: fewer, bigger copies
+            # in gRPC's receive path (docs/performance.md: -12 % client CPU per GB).
+            "grpc.http2.max_frame_size": 16 * 1024 * 1024 - 1,
+            "grpc.experimental.tcp_min_read_chunk_size": 4 * 1024 * 1024,
+            "grpc.experimental.tcp_max_read_chunk_size": 8 * 1024 * 1024,
+        }
+        options.update(dict(channel_options))  # the caller's options win
+        return cls(
+            target=target,
+            metadata=(("authorization", f"Bearer {token}"),) if token else None,
+            credentials=credentials,
+            options=tuple(options.items()),
+            interceptors=tuple(interceptors),
+            max_chunk_bytes=max_chunk_bytes,
+        )
+
+    def open_sync(self) -> grpc.Channel:
+        options = list(self.options)
+        if self.credentials is not None:
+            channel = grpc.secure_channel(self.target, self.credentials, options)
+        else:
+            channel = grpc.insecure_channel(self.target, options)
+        if self.interceptors:
+            channel = grpc.intercept_channel(channel, *self.interceptors)
+        return channel
+
+    def open_aio(self) -> grpc.aio.Channel:
+        kwargs: dict[str, Any] = {"options": list(self.options)}
+        if self.interceptors:
+            kwargs["interceptors"] = self.interceptors
+        if self.credentials is not None:
+            return grpc.aio.secure_channel(self.target, self.credentials, **kwargs)
+        return grpc.aio.insecure_channel(self.target, **kwargs)

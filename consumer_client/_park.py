@@ -1,0 +1,190 @@
+"""One Park batch's logic, shared by the sync and the async parker: no I/O, no gRPC calls.
+
+A batch on the wire is a `ParkHeader`, `Chunk`s and a `ParkCommit` that names how many chunks
+and bytes were sent; the producer makes the batch visible only through that commit, so a
+parker that fails half-way leaves nothing behind (docs/protocol.md, "Park"). This module builds
+those frames (the CRC32C of every chunk computed here, over the caller's memory, without
+copying it first), keeps the counts the commit must carry, turns the producer's answer into a
+`ParkResult`, and decides whether a refusal is worth retrying within the call's time.
+
+Chunks come as a sequence of buffers (chunk id = position), as `(chunk_id, buffer)` pairs, or
+as a mapping of chunk id to buffer. A buffer may be one buffer or a list of buffers sent as one
+chunk (a gather list: a chunk that is several pieces of a paged KV cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvpark import wire
+from kvpark.checksum import crc32c_of
+from kvpark.pb import kvpark_pb2 as pb
+
+from ._buffers import byte_view
+from ._errors import UsageError, classify_status, error_for
+from ._result import ParkResult, Reason
+
+_UINT32_MAX = 2**32 - 1
+# A POOL_FULL retry waits at least this long, so a producer that says "now" is not hammered.
+MIN_RETRY_WAIT_S = 0.05
+
+ChunkPayload = Any  # a buffer, or a list/tuple of buffers sent as one chunk
+Chunks = Sequence[ChunkPayload] | Sequence[tuple[int, ChunkPayload]] | Mapping[int, ChunkPayload]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChunk:
+    chunk_id: int
+    parts: tuple[memoryview, ...]
+    nbytes: int
+
+
+def prepare(chunk_id: object, payload: ChunkPayload) -> PreparedChunk:
+    """One chunk's id checked and its memory viewed as bytes, without copying."""
+    if isinstance(chunk_id, bool) or not isinstance(chunk_id, int):
+        raise UsageError(f"chunk id: expected an int, got {chunk_id!r}")
+    if not 0 <= chunk_id <= _UINT32_MAX:
+        raise UsageError(f"chunk id {chunk_id} is not a uint32")
+    pieces = payload if isinstance(payload, list | tuple) else [payload]
+    parts = tuple(byte_view(p, f"chunk {chunk_id}", writable=False).data for p in pieces)
+    nbytes = sum(len(p) for p in parts)
+    if nbytes == 0:
+        raise UsageError(f"chunk {chunk_id} is empty")
+    return PreparedChunk(chunk_id, parts, nbytes)
+
+
+def prepare_all(chunks: Chunks) -> list[PreparedChunk]:
+    """Every chunk of a `park()` call, checked: ids unique, payloads non-empty buffers."""
+    if isinstance(chunks, str | bytes | bytearray | memoryview):
+        raise UsageError("chunks: expected a sequence of chunk buffers or (chunk_id, buffer) pairs")
+    if isinstance(chunks, Mapping):
+        items: Iterable[tuple[object, ChunkPayload]] = chunks.items()
+    else:
+        items = (_as_pair(i, item) for i, item in enumerate(chunks))
+    prepared = [prepare(cid, payload) for cid, payload in items]
+    if not prepared:
+        raise UsageError("chunks: empty")
+    ids = [p.chunk_id for p in prepared]
+    if len(set(ids)) != len(ids):
+        raise UsageError("chunks: a chunk id appears twice")
+    return prepared
+
+
+def _as_pair(index: int, item: Any) -> tuple[object, ChunkPayload]:
+    """`(chunk_id, buffer)` when the item is such a pair, else `(index, item)`."""
+    if (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], int)
+        and not isinstance(item[0], bool)
+    ):
+        return item[0], item[1]
+    return index, item
+
+
+def check_total(total_chunks: int | None) -> int:
+    if total_chunks is None:
+        return 0
+    if isinstance(total_chunks, bool) or not isinstance(total_chunks, int):
+        raise UsageError(f"total_chunks: expected an int or None, got {total_chunks!r}")
+    if not 1 <= total_chunks <= _UINT32_MAX:
+        raise UsageError(f"total_chunks: expected 1..2**32-1, got {total_chunks}")
+    return total_chunks
+
+
+def check_batch_bytes(batch_bytes: int) -> int:
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+        raise UsageError(f"batch_bytes: expected an int >= 0, got {batch_bytes!r}")
+    return batch_bytes
+
+
+class ParkFrames:
+    """The frames of one batch, and the counts its commit must carry."""
+
+    def __init__(self, kv_request_id: str, total_chunks: int, batch_bytes: int) -> None:
+        self.kv_request_id = kv_request_id
+        self.header = wire.encode_park_header(kv_request_id, total_chunks, batch_bytes)
+        self.chunks = 0
+        self.nbytes = 0
+
+    def chunk(self, chunk: PreparedChunk) -> bytes:
+        """A chunk's frame: its CRC32C over the caller's memory, then one copy into the frame."""
+        crc = 0
+        for part in chunk.parts:
+            crc = crc32c_of(part, crc)
+        self.chunks += 1
+        self.nbytes += chunk.nbytes
+        return wire.encode_park_chunk(chunk.chunk_id, crc, chunk.parts)
+
+    def commit(self) -> bytes:
+        return wire.encode_park_commit(self.chunks, self.nbytes)
+
+
+class ParkOutcome:
+    """Turns one Park call's ending into a ParkResult, and plans retries across calls."""
+
+    def __init__(self, kv_request_id: str, deadline_s: float | None, clock: Callable[[], float]):
+        self.kv_request_id = kv_request_id
+        self._clock = clock
+        self.started = clock()
+        self._deadline = None if deadline_s is None else self.started + deadline_s
+        self.attempts = 0
+
+    def remaining_s(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - self._clock())
+
+    def answered(self, reply: pb.ParkResponse) -> ParkResult:
+        self.attempts += 1
+        ok = reply.status == pb.STATUS_OK
+        return ParkResult(
+            kv_request_id=self.kv_request_id,
+            ok=ok,
+            reason=None if ok else Reason.from_proto(reply.reason),
+            detail=reply.detail,
+            chunks_parked=reply.chunks_parked,
+            bytes_parked=reply.bytes_parked,
+            total_chunks=reply.total_chunks,
+            lease_remaining_s=reply.lease_remaining_s,
+            retry_after_s=reply.retry_after_s,
+            producer_epoch=reply.producer_epoch,
+            advertise_address=reply.advertise_address,
+            attempts=self.attempts,
+            elapsed_s=self._clock() - self.started,
+        )
+
+    def failed(self, code: grpc.StatusCode | None, details: str) -> ParkResult:
+        """The call ended with an error status: a value for transport failures, an exception
+        for statuses that mean misuse or misconfiguration (as for loads)."""
+        self.attempts += 1
+        rule = classify_status(code)
+        if rule.load_reason is None:
+            raise error_for(code, details, f"Park {self.kv_request_id!r}")
+        return ParkResult(
+            kv_request_id=self.kv_request_id,
+            ok=False,
+            reason=rule.load_reason,
+            detail=details,
+            attempts=self.attempts,
+            elapsed_s=self._clock() - self.started,
+            grpc_code=rule.code,
+        )
+
+    def retry_wait_s(self, result: ParkResult) -> float | None:
+        """Seconds to wait before trying again, or None to stop: only POOL_FULL is retried,
+        and only when the wait still leaves time for the call within the deadline."""
+        if result.reason is not Reason.POOL_FULL:
+            return None
+        wait = max(result.retry_after_s, MIN_RETRY_WAIT_S)
+        remaining = self.remaining_s()
+        if remaining is not None and wait >= remaining:
+            return None
+        return wait
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,519 @@
+"""`KVParker` and `AsyncKVParker`: the prefill side's clients, with the consumers' conventions
+(target, token, credentials, timeout rule, context manager, one channel).
+
+Two ways to park, both all-or-nothing on the producer:
+
+    with KVParker("prefill-0:50051", token=park_token) as parker:
+        result = parker.park("req-42", chunks)          # every chunk at hand: one call
+        with parker.batch("req-43", total_chunks=n) as batch:   # KV produced layer by layer
+            for chunk_id, kv in engine.layers():
+                batch.put(chunk_id, kv)                  # sent while the next is computed
+        batch.result                                     # committed on a clean exit
+
+`park` declares the batch's size, so the producer reserves the pool up front or answers
+POOL_FULL before any byte is sent; it then waits `retry_after_s` and tries again while the
+call's timeout allows. A `batch` streams chunks as they are produced and is committed when the
+block ends cleanly; an exception inside the block undoes it (no commit is sent, the call is
+cancelled, the producer frees what arrived). A batch cannot be retried by the library (it does
+not keep the chunks): `put` returns False once the producer ended the batch, and
+`batch.result` says why. Every refusal is a `ParkResult` with `ok=False` and a reason;
+exceptions are for misuse and misconfiguration, as for loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc
+
+from ._async import caller_cancelled
+from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
+from ._core import SERVICE, ClientBase, ClientCore, release_request, valid_id
+from ._errors import UsageError, error_from_rpc
+from ._models import ProducerInfo, ReleaseResult
+from ._park import (
+    Chunks,
+    ParkFrames,
+    ParkOutcome,
+    check_batch_bytes,
+    check_total,
+    monotonic,
+    prepare,
+    prepare_all,
+)
+from ._result import ParkResult
+from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
+
+PARK_METHOD = SERVICE + "Park"
+# Frames a batch may have queued ahead of the transport: `put` blocks beyond it, so a prefill
+# that produces KV faster than the network takes it does not buffer without bound.
+_BATCH_QUEUE_FRAMES = 2
+_END = object()
+
+
+def _settings(
+    target: str,
+    token: str | None,
+    credentials: grpc.ChannelCredentials | None,
+    channel_options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[Any],
+    max_chunk_bytes: int,
+) -> ChannelSettings:
+    return ChannelSettings.build(
+        target,
+        token=token,
+        credentials=credentials,
+        channel_options=channel_options,
+        interceptors=interceptors,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+
+
+# ===================================================================================== sync
+class KVParker(ClientBase):
+    """A blocking park-side client for one producer (`target`, "host:port").
+
+    `timeout` is the default of every call (README, "Timeouts"). Thread-safe: one parker (one
+    channel) serves every thread of a prefill worker."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Any] = (),
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    ) -> None:
+        settings = _settings(
+            target, token, credentials, channel_options, interceptors, max_chunk_bytes
+        )
+        self._core = ClientCore(settings, timeout=timeout, confirm=False)
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._park: Any = None
+
+    def close(self) -> None:
+        """Closes the channel: parks in flight end and are undone by the producer. Idempotent."""
+        with self._lock:
+            self._core.closed = True
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def __enter__(self) -> KVParker:
+        self._core.check_open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    def _stubs(self) -> tuple[Any, Any]:
+        with self._lock:
+            self._core.check_open()
+            if self._channel is None:
+                self._channel = self._core.channel.open_sync()
+                self._stub = kvpark_pb2_grpc.KVProducerStub(self._channel)
+                # Raw frames: built by kvpark.wire from the caller's memory, one copy.
+                self._park = self._channel.stream_unary(PARK_METHOD)
+            return self._stub, self._park
+
+    def park(
+        self,
+        kv_request_id: str,
+        chunks: Chunks,
+        *,
+        total_chunks: int | None = None,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+    ) -> ParkResult:
+        """Parks every chunk of one batch. `total_chunks`: the id's total when this batch is
+        one of several; None when this batch is the whole id (its commit fixes the total).
+        POOL_FULL is retried after the producer's `retry_after_s` while `timeout` allows."""
+        kid = valid_id(kv_request_id)
+        total = check_total(total_chunks)
+        prepared = prepare_all(chunks)
+        size = sum(c.nbytes for c in prepared)
+        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        while True:
+            frames = ParkFrames(kid, total, size)
+
+            def requests(frames: ParkFrames = frames) -> Iterator[bytes]:
+                yield frames.header
+                for chunk in prepared:
+                    yield frames.chunk(chunk)
+                yield frames.commit()
+
+            result = self._call(outcome, requests())
+            wait = outcome.retry_wait_s(result)
+            if wait is None:
+                return result
+            time.sleep(wait)
+
+    def _call(self, outcome: ParkOutcome, requests: Iterator[bytes]) -> ParkResult:
+        _, park = self._stubs()
+        try:
+            raw = park(
+                requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
+            )
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                self._core.check_open()
+            return outcome.failed(exc.code(), exc.details() or "")
+        return outcome.answered(pb.ParkResponse.FromString(raw))
+
+    def batch(
+        self,
+        kv_request_id: str,
+        *,
+        total_chunks: int | None = None,
+        batch_bytes: int = 0,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+    ) -> ParkBatch:
+        """A batch to fill chunk by chunk (`put`), committed when its block ends cleanly and
+        undone when it ends with an exception. `batch_bytes` > 0 reserves that much of the
+        pool before the first chunk."""
+        kid = valid_id(kv_request_id)
+        frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
+        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        _, park = self._stubs()
+        return ParkBatch(park, self._core.channel.metadata, frames, outcome)
+
+    def release(
+        self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
+    ) -> ReleaseResult:
+        """Gives an id up: frees its memory on the producer, tombstones it RELEASED."""
+        request = release_request(kv_request_id)
+        stub, _ = self._stubs()
+        try:
+            reply = stub.Release(
+                request,
+                timeout=self._core.call_deadline(timeout),
+                metadata=self._core.channel.metadata,
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "Release") from None
+        return ReleaseResult.from_proto(request.kv_request_id, reply)
+
+    def server_info(self, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT) -> ProducerInfo:
+        """The producer's epoch, limits and timeouts (one GetServerInfo call)."""
+        stub, _ = self._stubs()
+        try:
+            msg = stub.GetServerInfo(
+                pb.GetServerInfoRequest(),
+                timeout=self._core.call_deadline(timeout),
+                metadata=self._core.channel.metadata,
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "GetServerInfo") from None
+        return self._core.set_info(ProducerInfo.from_proto(msg))
+
+
+class ParkBatch:
+    """One streaming Park call (made by `KVParker.batch`). `put` sends a chunk; leaving the
+    `with` block commits it, or undoes it when the block raised."""
+
+    def __init__(self, park: Any, metadata: Any, frames: ParkFrames, outcome: ParkOutcome) -> None:
+        self._frames = frames
+        self._outcome = outcome
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._ended = False
+        self.result: ParkResult | None = None
+        self._future = park.future(
+            self._requests(), timeout=outcome.remaining_s(), metadata=metadata
+        )
+        # An early answer (a refusal) stops grpc from reading our frames: empty the queue so
+        # that a `put` blocked on it returns and sees the answer.
+        self._future.add_done_callback(lambda _: self._drain())
+
+    def _requests(self) -> Iterator[bytes]:
+        yield self._frames.header
+        while (frame := self._queue.get()) is not _END:
+            yield frame
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    @property
+    def done(self) -> bool:
+        """True once the producer answered (a refusal ends a batch before its commit)."""
+        return bool(self._future.done())
+
+    def put(self, chunk_id: int, payload: Any) -> bool:
+        """Sends one chunk (a buffer, or a list of buffers sent as one chunk); blocks while
+        the transport is behind. False when the producer already ended the batch: stop
+        producing and read `result` after the block."""
+        if self._ended:
+            raise UsageError("put on a batch that was already committed or undone")
+        chunk = prepare(chunk_id, payload)
+        if self._future.done():
+            return False
+        self._queue.put(self._frames.chunk(chunk))
+        return not self._future.done()
+
+    def commit(self) -> ParkResult:
+        """Sends the commit and waits for the producer's answer (done by a clean `with` exit)."""
+        if self._ended:
+            raise UsageError("the batch was already committed or undone")
+        self._ended = True
+        if not self._future.done():
+            self._queue.put(self._frames.commit())
+            self._queue.put(_END)
+        return self._finish()
+
+    def abort(self) -> None:
+        """Undoes the batch: no commit is sent and the call is cancelled."""
+        if not self._ended:
+            self._ended = True
+            self._future.cancel()
+            self._drain()
+            self._queue.put_nowait(_END)
+
+    def _finish(self) -> ParkResult:
+        try:
+            raw = self._future.result()
+            self.result = self._outcome.answered(pb.ParkResponse.FromString(raw))
+        except grpc.RpcError as exc:
+            self.result = self._outcome.failed(exc.code(), exc.details() or "")
+        return self.result
+
+    def __enter__(self) -> ParkBatch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        if exc_type is None:
+            if not self._ended:
+                self.commit()
+        else:
+            self.abort()
+
+
+# ==================================================================================== async
+class AsyncKVParker(ClientBase):
+    """An asyncio park-side client for one producer, with `KVParker`'s method names."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Any] = (),
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    ) -> None:
+        settings = _settings(
+            target, token, credentials, channel_options, interceptors, max_chunk_bytes
+        )
+        self._core = ClientCore(settings, timeout=timeout, confirm=False)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._park: Any = None
+
+    async def aclose(self) -> None:
+        """Closes the channel: parks in flight end and are undone by the producer. Idempotent."""
+        self._core.closed = True
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncKVParker:
+        self._core.check_open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        await self.aclose()
+
+    def _stubs(self) -> tuple[Any, Any]:
+        self._core.check_open()
+        if self._channel is None:
+            self._channel = self._core.channel.open_aio()
+            self._stub = kvpark_pb2_grpc.KVProducerStub(self._channel)
+            self._park = self._channel.stream_unary(PARK_METHOD)
+        return self._stub, self._park
+
+    async def park(
+        self,
+        kv_request_id: str,
+        chunks: Chunks,
+        *,
+        total_chunks: int | None = None,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+    ) -> ParkResult:
+        """As `KVParker.park`."""
+        kid = valid_id(kv_request_id)
+        total = check_total(total_chunks)
+        prepared = prepare_all(chunks)
+        size = sum(c.nbytes for c in prepared)
+        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        while True:
+            frames = ParkFrames(kid, total, size)
+
+            async def requests(frames: ParkFrames = frames) -> AsyncIterator[bytes]:
+                yield frames.header
+                for chunk in prepared:
+                    yield frames.chunk(chunk)
+                yield frames.commit()
+
+            result = await self._call(outcome, requests())
+            wait = outcome.retry_wait_s(result)
+            if wait is None:
+                return result
+            await asyncio.sleep(wait)
+
+    async def _call(self, outcome: ParkOutcome, requests: AsyncIterator[bytes]) -> ParkResult:
+        _, park = self._stubs()
+        try:
+            raw = await park(
+                requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            return outcome.failed(exc.code(), exc.details() or "")
+        except asyncio.CancelledError:
+            if caller_cancelled():
+                raise
+            self._core.check_open()
+            return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled")
+        return outcome.answered(pb.ParkResponse.FromString(raw))
+
+    def batch(
+        self,
+        kv_request_id: str,
+        *,
+        total_chunks: int | None = None,
+        batch_bytes: int = 0,
+        timeout: TimeoutArg = USE_CLIENT_DEFAULT,
+    ) -> AsyncParkBatch:
+        """As `KVParker.batch`, for `async with`."""
+        kid = valid_id(kv_request_id)
+        frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
+        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        _, park = self._stubs()
+        return AsyncParkBatch(park, self._core.channel.metadata, frames, outcome)
+
+    async def release(
+        self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
+    ) -> ReleaseResult:
+        """Gives an id up: frees its memory on the producer, tombstones it RELEASED."""
+        request = release_request(kv_request_id)
+        stub, _ = self._stubs()
+        try:
+            reply = await stub.Release(
+                request,
+                timeout=self._core.call_deadline(timeout),
+                metadata=self._core.channel.metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, "Release") from None
+        return ReleaseResult.from_proto(request.kv_request_id, reply)
+
+    async def server_info(self, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT) -> ProducerInfo:
+        """The producer's epoch, limits and timeouts (one GetServerInfo call)."""
+        stub, _ = self._stubs()
+        try:
+            msg = await stub.GetServerInfo(
+                pb.GetServerInfoRequest(),
+                timeout=self._core.call_deadline(timeout),
+                metadata=self._core.channel.metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, "GetServerInfo") from None
+        return self._core.set_info(ProducerInfo.from_proto(msg))
+
+
+class AsyncParkBatch:
+    """One streaming Park call (made by `AsyncKVParker.batch`): `await put(...)`; leaving the
+    `async with` block commits it, or undoes it when the block raised."""
+
+    def __init__(self, park: Any, metadata: Any, frames: ParkFrames, outcome: ParkOutcome) -> None:
+        self._frames = frames
+        self._outcome = outcome
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._ended = False
+        self.result: ParkResult | None = None
+        self._call = park(self._requests(), timeout=outcome.remaining_s(), metadata=metadata)
+        self._call.add_done_callback(lambda _: self._drain())
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        yield self._frames.header
+        while (frame := await self._queue.get()) is not _END:
+            yield frame
+
+    def _drain(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    @property
+    def done(self) -> bool:
+        return bool(self._call.done())
+
+    async def put(self, chunk_id: int, payload: Any) -> bool:
+        """As `ParkBatch.put`."""
+        if self._ended:
+            raise UsageError("put on a batch that was already committed or undone")
+        chunk = prepare(chunk_id, payload)
+        if self._call.done():
+            return False
+        await self._queue.put(self._frames.chunk(chunk))
+        return not self._call.done()
+
+    async def commit(self) -> ParkResult:
+        """Sends the commit and waits for the producer's answer (done by a clean exit)."""
+        if self._ended:
+            raise UsageError("the batch was already committed or undone")
+        self._ended = True
+        if not self._call.done():
+            await self._queue.put(self._frames.commit())
+            await self._queue.put(_END)
+        try:
+            raw = await self._call
+            self.result = self._outcome.answered(pb.ParkResponse.FromString(raw))
+        except grpc.aio.AioRpcError as exc:
+            self.result = self._outcome.failed(exc.code(), exc.details() or "")
+        return self.result
+
+    def abort(self) -> None:
+        """Undoes the batch: no commit is sent and the call is cancelled."""
+        if not self._ended:
+            self._ended = True
+            self._call.cancel()
+            self._drain()
+            self._queue.put_nowait(_END)
+
+    async def __aenter__(self) -> AsyncParkBatch:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        if exc_type is None:
+            if not self._ended:
+                await self.commit()
+        else:
+            self.abort()
