@@ -118,10 +118,10 @@ class AsyncKVConsumer(ClientBase):
         Confirmations already queued get up to CONFIRM_FLUSH_S to go out; then background
         work is cancelled (the producer frees unconfirmed ids after its delivery_grace_s).
         Idempotent."""
-        self._core.closed = True
         confirms = [t for t in self._background if t.get_name() == _CONFIRM_TASK]
-        if confirms:  # queued confirmations get a moment to go out first
+        if confirms:  # before closing: they need the channel
             await asyncio.wait(confirms, timeout=CONFIRM_FLUSH_S)
+        self._core.closed = True
         tasks = list(self._background)
         for task in tasks:
             task.cancel()

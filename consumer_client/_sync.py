@@ -116,15 +116,15 @@ class KVConsumer(ClientBase):
         Confirmations already queued get up to CONFIRM_FLUSH_S to go out first; any left then
         are dropped (the producer frees those ids after its delivery_grace_s). Idempotent."""
         with self._lock:
+            pending = set(self._pending)
+        if pending:  # before closing: they need the channel
+            futures.wait(pending, timeout=CONFIRM_FLUSH_S)
+        with self._lock:
             self._core.closed = True  # from here on no call opens a channel, nothing queues
             confirmer, self._confirmer = self._confirmer, None
-            pending, self._pending = self._pending, set()
-        if pending:
-            futures.wait(pending, timeout=CONFIRM_FLUSH_S)
+            channel, self._channel = self._channel, None
         if confirmer is not None:
             confirmer.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
 

@@ -12,8 +12,8 @@ A keep-alive runs from the moment `keep_alive()` returns it (there is no unstart
 would silently do nothing); leaving the block, `stop()`, or closing the client ends it.
 
 Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
-`unbound_store_timeout_s`); the default interval is a third of that, so two rounds may fail
-before a lease is at risk. An id the producer reports TOMBSTONED (consumed, reaped, released)
+`unbound_store_timeout_s`); the default interval is a third of the shortest lease the producer
+reported in the last round, so two rounds may fail before a lease is at risk. An id the producer reports TOMBSTONED (consumed, reaped, released)
 is dropped from the set and recorded in `ended` with its reason — renewing it cannot help.
 Errors never escape the background loop: they are counted, kept in `last_error` and logged
 once per change, and the loop keeps trying (the producer may be restarting). Stopping waits for
@@ -123,12 +123,19 @@ class _KeepAliveState:
         return min(self.interval_s or _MAX_CALL_S, _MAX_CALL_S)
 
     def interval(self, info: Any) -> float:
-        """Seconds until the next round; asked after a round, when first contact has read the
-        producer's lease (unbound_store_timeout_s) if it could be reached."""
+        """Seconds until the next round, asked after a round: a third of the shortest lease
+        the producer just reported (or of `extend_s`, or of its unbound_store_timeout_s from
+        ServerInfo), so the loop follows real leases without asking for anything else."""
         if self.interval_s is not None:
             return self.interval_s
-        lease = self.extend_s or (info.unbound_store_timeout_s if info is not None else 0.0)
-        return max(_MIN_INTERVAL_S, lease / 3) if lease else _UNKNOWN_LEASE_INTERVAL_S
+        with self._lock:
+            reported = [s.lease_remaining_s for s in self.last_states.values()]
+        leases = [lease for lease in reported if lease > 0]
+        if self.extend_s:
+            leases.append(self.extend_s)
+        elif info is not None:
+            leases.append(info.unbound_store_timeout_s)
+        return max(_MIN_INTERVAL_S, min(leases) / 3) if leases else _UNKNOWN_LEASE_INTERVAL_S
 
     def statistics(self) -> KeepAliveStatistics:
         with self._lock:

@@ -27,10 +27,11 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
-from kvpark.client import ConsumerRegistry, KeepAlive, LoadReport, Timeout, tune_allocator
+from kvpark import KVParker, LoadReport, Timeout
+from kvpark.alloc import tune_allocator
+from kvpark.client import ConsumerRegistry, KeepAlive
 
 log = logging.getLogger("decode_worker")
 
@@ -63,8 +64,9 @@ class DecodeWorker:
         self.queue.append(request)
         keepalive = self._keepalives.get(request.target)
         if keepalive is None:
-            keepalive = self.producers[request.target].keep_alive()
-            self._keepalives[request.target] = keepalive.start()
+            keepalive = self._keepalives[request.target] = self.producers[
+                request.target
+            ].keep_alive()
         keepalive.add(request.kv_request_id)
 
     def admit_next(self) -> tuple[Request, np.ndarray, LoadReport[int]]:
@@ -108,30 +110,15 @@ class DecodeWorker:
 
 def park_synthetic(request: Request) -> int:
     """Plays the prefill worker: parks the request's synthetic KV; returns the producer epoch."""
-    from kvpark.checksum import crc32c_of
-    from kvpark.pb import kvpark_pb2 as pb
-    from kvpark.pb import kvpark_pb2_grpc as pb_grpc
-
-    def messages() -> object:
-        yield pb.ParkRequest(
-            header=pb.ParkHeader(
-                kv_request_id=request.kv_request_id,
-                total_chunks=request.num_chunks,
-                batch_bytes=request.num_chunks * request.chunk_bytes,
-            )
-        )
-        for chunk_id in range(request.num_chunks):
-            data = synthetic_chunk(request.kv_request_id, chunk_id, request.chunk_bytes)
-            yield pb.ParkRequest(
-                chunk=pb.Chunk(chunk_id=chunk_id, data=data, crc32c=crc32c_of(data))
-            )
-
-    options = [("grpc.max_send_message_length", request.chunk_bytes + 65536)]
-    with grpc.insecure_channel(request.target, options=options) as channel:
-        reply = pb_grpc.KVProducerStub(channel).Park(messages(), timeout=30)
-    if reply.status != pb.STATUS_OK:
-        raise RuntimeError(f"park {request.kv_request_id}: {pb.FailureReason.Name(reply.reason)}")
-    return int(reply.producer_epoch)
+    chunks = [
+        synthetic_chunk(request.kv_request_id, chunk_id, request.chunk_bytes)
+        for chunk_id in range(request.num_chunks)
+    ]
+    with KVParker(request.target) as parker:
+        result = parker.park(request.kv_request_id, chunks)
+    if not result.ok:
+        raise RuntimeError(f"park {request.kv_request_id}: {result.reason} {result.detail}")
+    return result.producer_epoch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    tune_allocator()  # multi-MiB messages: keep them off fresh mmaps (performance-notes.md)
+    tune_allocator()  # multi-MiB messages: keep them off fresh mmaps (docs/performance.md)
 
     requests = [
         Request(kid, args.target, args.epoch, args.chunks, args.chunk_bytes) for kid in args.ids

@@ -4,7 +4,7 @@ Two roles: the prefill side holds `park_token` (Park, and Release to give an id 
 decode side holds `fetch_token` (Fetch, KeepAlive, Lookup, and Release to confirm a delivery it
 received: a Release that names a delivery_id). GetServerInfo takes either role's token. A role
 with no token configured is open. The interceptor decides by method; the one rule that needs
-the request (giving up vs confirming) is applied by the servicer with `may_give_up`. Tokens
+the request (giving up vs confirming) is applied by the servicer with `refuse_give_up`. Tokens
 travel as the standard `authorization: Bearer <token>` metadata so proxies and other languages'
 clients need nothing special.
 
@@ -33,13 +33,15 @@ FETCH_ROLE = "fetch"
 # Method -> roles whose token is accepted.
 _METHOD_ROLES: dict[str, frozenset[str]] = {
     "Park": frozenset({PARK_ROLE}),
-    # Either role gets in; only the park role may give an id up (see `may_give_up`).
+    # Either role gets in; only the park role may give an id up (see `refuse_give_up`).
     "Release": frozenset({PARK_ROLE, FETCH_ROLE}),
     "Fetch": frozenset({FETCH_ROLE}),
     "KeepAlive": frozenset({FETCH_ROLE}),
     "Lookup": frozenset({FETCH_ROLE}),
     "GetServerInfo": frozenset({PARK_ROLE, FETCH_ROLE}),
 }
+# Release without a delivery_id gives an id up: the park role's right alone.
+_GIVE_UP_ROLES = frozenset({PARK_ROLE})
 # How each method streams, to build a refusal handler of the same shape.
 _STREAMING = {"Park": "stream_unary", "Fetch": "unary_stream"}
 
@@ -81,30 +83,38 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 found = role
         return found
 
-    def may_give_up(self, metadata: Any) -> bool:
-        """Whether the caller may give ids up with Release (the park role's right): true for
-        the park token, or for anyone when the park role has no token."""
-        if PARK_ROLE not in self._tokens:
-            return True
-        return self.role_of(_bearer(metadata)) == PARK_ROLE
+    def refuse_give_up(self, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+        """None when the caller may give ids up with Release (the park role's right), else
+        the status to refuse it with."""
+        return self._decide("give an id up", _GIVE_UP_ROLES, metadata)
 
     def open_methods(self) -> tuple[str, ...]:
         """The kvpark methods this interceptor lets through without any token: those of a
-        role with no token configured (empty when both roles have one)."""
-        return tuple(m for m in _METHOD_ROLES if self.decide(m, ()) is None)
+        role with no token configured (empty when both roles have one). Release counts as
+        open only when giving ids up is; confirming a delivery is the fetch role's part."""
+        return tuple(
+            m
+            for m in _METHOD_ROLES
+            if (self.refuse_give_up(()) if m == "Release" else self.decide(m, ())) is None
+        )
 
     def decide(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """None when the call may proceed, else the status to refuse it with."""
         roles = _METHOD_ROLES.get(method)
         if roles is None:
             return None
+        return self._decide(f"call {method}", roles, metadata)
+
+    def _decide(
+        self, action: str, roles: frozenset[str], metadata: Any
+    ) -> tuple[grpc.StatusCode, str] | None:
         if any(role not in self._tokens for role in roles):
-            return None  # a role with no token configured is open (for Release: see the servicer)
+            return None  # a role with no token configured is open
         role = self.role_of(_bearer(metadata))
         if role is None:
             return grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token"
         if role not in roles:
-            return grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not call {method}"
+            return grpc.StatusCode.PERMISSION_DENIED, f"the {role} token may not {action}"
         return None
 
     async def intercept_service(

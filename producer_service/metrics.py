@@ -1,8 +1,10 @@
 """Every Prometheus metric the producer exports, declared once, with units in the names.
 
-The pool and the lot keep plain counters and statistics and never import prometheus_client;
-`_StateCollector` reads them at scrape time, so gauges cannot drift from the truth. Counters of
-outcomes (`park_total`, `fetch_total`, ...) are incremented by the servicer where the outcome is
+The pool and the lot keep plain counters and statistics and never import prometheus_client.
+The lot and the pool belong to the event loop's thread, and the HTTP endpoint scrapes from a
+thread of its own, so the loop publishes a frozen snapshot of both (`publish`, on every reaper
+pass: at most reap_interval_s old) and `_StateCollector` reads only that. Counters of outcomes
+(`park_total`, `fetch_total`, ...) are incremented by the servicer where the outcome is
 decided. Each producer owns its own `CollectorRegistry`, so several producers can live in one
 test process. The standard `process_*` series (resident memory, CPU, file descriptors) come
 along: RSS is the pool plus what gRPC's buffers hold in a burst, and it is what a container's
@@ -25,7 +27,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .lot import Lot, Reason, reason_name
+from .lot import LotStatistics, Reason, reason_name
+from .pool import PoolStatistics
 
 # `*_created` timestamp series double the scrape size and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -38,14 +41,13 @@ _SECONDS_BUCKETS = (
 
 
 class _StateCollector(Collector):
-    """Gauges and totals read from the lot and pool at scrape time."""
+    """Gauges and totals from the snapshot the event loop published last."""
 
-    def __init__(self, lot: Lot) -> None:
-        self._lot = lot
+    def __init__(self, snapshot: Callable[[], tuple[PoolStatistics, LotStatistics]]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        pool = self._lot.pool.statistics()
-        lot = self._lot.statistics()
+        pool, lot = self._snapshot()
         gauges = {
             "kvpark_pool_bytes": ("Size of the host pool, bytes", pool.pool_bytes),
             "kvpark_pool_used_bytes": (
@@ -57,8 +59,17 @@ class _StateCollector(Collector):
                 "Pool bytes reserved by declared batches, not yet filled",
                 pool.reserved_bytes,
             ),
+            "kvpark_pool_pending_bytes": (
+                "Payload bytes of open Park batches, not visible until their commit",
+                lot.pending_bytes,
+            ),
             "kvpark_parked_ids": ("Ids with chunks and no Fetch attached", lot.parked_ids),
             "kvpark_bound_ids": ("Ids with a Fetch attached", lot.bound_ids),
+            "kvpark_delivered_ids": (
+                "Ids sent completely and kept until their consumer confirms",
+                lot.delivered_ids,
+            ),
+            "kvpark_open_park_batches": ("Park batches not committed yet", lot.open_batches),
             "kvpark_tombstones": ("Ended ids remembered for late callers", lot.tombstones),
             "kvpark_keepalive_intents": ("KeepAlive intents for ids not parked yet", lot.intents),
         }
@@ -66,7 +77,28 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         totals = {
             "kvpark_reaped": ("Parked ids whose lease ran out and were freed", lot.reaped_total),
-            "kvpark_consumed": ("Ids delivered completely by a Fetch", lot.consumed_total),
+            "kvpark_consumed": (
+                "Delivered ids ended: confirmed, or their delivery grace passed",
+                lot.consumed_total,
+            ),
+            "kvpark_confirmed": ("Deliveries confirmed by their consumer", lot.confirmed_total),
+            "kvpark_delivered": ("Deliveries completed (repeats included)", lot.delivered_total),
+            "kvpark_redelivered": (
+                "Deliveries of an id that had been delivered before",
+                lot.redelivered_total,
+            ),
+            "kvpark_evicted": (
+                "Delivered ids freed early to make room for a Park",
+                lot.evicted_total,
+            ),
+            "kvpark_stalled_fetches": (
+                "Fetches cut off because their consumer read nothing",
+                lot.stalled_fetches_total,
+            ),
+            "kvpark_idle_park_batches": (
+                "Park batches undone after park_idle_timeout_s of silence",
+                lot.idle_batches_total,
+            ),
             "kvpark_released": ("Ids given up with Release", lot.released_total),
             "kvpark_late_fetch_rejections": (
                 "Fetches for an ended id answered at once from its tombstone",
@@ -85,9 +117,10 @@ class _StateCollector(Collector):
 class ProducerMetrics:
     """The producer's metrics, in its own registry."""
 
-    def __init__(self, lot: Lot) -> None:
+    def __init__(self, pool: PoolStatistics, lot: LotStatistics) -> None:
+        self._published = (pool, lot)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_StateCollector(lot))
+        self.registry.register(_StateCollector(lambda: self._published))
         ProcessCollector(registry=self.registry)
         r = self.registry
         self.park_total = Counter(
@@ -122,6 +155,11 @@ class ProducerMetrics:
         self._fetches = _Children(self.fetch_total, _labels)
         self._suppressed = _Children(self.suppressed_warnings_total, lambda kind: (kind,))
 
+    def publish(self, pool: PoolStatistics, lot: LotStatistics) -> None:
+        """Called on the event loop: what the next scrape reports (one tuple, swapped in one
+        assignment, so a scrape never sees a pool from one moment and a lot from another)."""
+        self._published = (pool, lot)
+
     def count_park(self, reason: Reason) -> None:
         self._parks.inc(reason)
 
@@ -131,12 +169,9 @@ class ProducerMetrics:
     def count_suppressed(self, kind: str) -> None:
         self._suppressed.inc(kind)
 
-    def serve(self, address: str) -> int:
-        """Starts the /metrics HTTP endpoint on `address` ("host:port"); returns the port."""
-        host, _, port = address.rpartition(":")
-        server, _thread = start_http_server(
-            int(port), addr=host.strip("[]"), registry=self.registry
-        )
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics HTTP endpoint on `host`:`port`; returns the port bound."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self._http = server
         return int(server.server_address[1])
 

@@ -116,7 +116,7 @@ class ProducerServer:
             max_batch_bytes=max(1, int(self.pool.pool_bytes * config.max_batch_share)),
         )
         self.lot = Lot(self.pool, settings, self.epoch, clock)
-        self.metrics = ProducerMetrics(self.lot)
+        self.metrics = ProducerMetrics(self.pool.statistics(), self.lot.statistics())
         self._auth = self._token_interceptor()
         self.servicer = KVProducerServicer(
             self.lot,
@@ -124,7 +124,7 @@ class ProducerServer:
             max_chunk_bytes=config.max_chunk_bytes,
             fetch_stall_timeout_s=config.fetch_stall_timeout_s,
             server_info=self.server_info,
-            may_give_up=self._auth.may_give_up if self._auth else lambda metadata: True,
+            refuse_give_up=self._auth.refuse_give_up if self._auth else lambda metadata: None,
             advertise_address=config.advertise_address,
         )
         self.health = health.aio.HealthServicer()
@@ -162,8 +162,9 @@ class ProducerServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvpark-reaper")
-        if self.config.metrics_listen:
-            self.metrics_port = self.metrics.serve(self.config.metrics_listen)
+        metrics_address = self.config.metrics_address
+        if metrics_address is not None:
+            self.metrics_port = self.metrics.serve(*metrics_address)
         log.info(
             "producer serving",
             extra={
@@ -254,7 +255,9 @@ class ProducerServer:
                 reaped = self.lot.reap()
                 if reaped:
                     log.info("reaped", extra={"kv": {"ids": len(reaped)}})
-                if self.idle_trim.due(self._data_activity(), busy=self.lot.bound_count > 0):
+                self.metrics.publish(self.pool.statistics(), self.lot.statistics())
+                busy = self.lot.bound_count > 0 or self.lot.statistics().open_batches > 0
+                if self.idle_trim.due(self._data_activity(), busy=busy):
                     # In a thread: malloc_trim takes ~15 ms, a late Fetch must not wait for it.
                     await asyncio.to_thread(self.idle_trim.trim)
             except Exception:
@@ -270,12 +273,15 @@ class ProducerServer:
                     await self._reap_now.wait()
 
     def _data_activity(self) -> tuple[int, ...]:
-        """Changes whenever chunks are parked, delivered, released or reaped, or a declared
+        """Changes whenever chunks are parked, delivered, released, evicted or reaped, or a
         batch opens or closes (what grows or shrinks the heap)."""
         lot = self.lot.statistics()
         return (
             lot.parked_bytes_total,
+            lot.pending_bytes,
+            lot.delivered_total,
             lot.consumed_total,
+            lot.evicted_total,
             lot.released_total,
             lot.reaped_total,
             self.pool.statistics().reservations_open,

@@ -57,7 +57,7 @@ class KVProducerServicer:
         max_chunk_bytes: int,
         fetch_stall_timeout_s: float,
         server_info: Callable[[], pb.ServerInfo],
-        may_give_up: Callable[[Any], bool] = lambda metadata: True,
+        refuse_give_up: Callable[[Any], tuple[grpc.StatusCode, str] | None] = lambda md: None,
         advertise_address: str = "",
     ) -> None:
         self._advertise_address = advertise_address
@@ -68,7 +68,7 @@ class KVProducerServicer:
         self._server_info = server_info
         # Whether a caller (by its metadata) may give ids up; confirming a delivery is open to
         # both roles (auth.py holds the roles table).
-        self._may_give_up = may_give_up
+        self._refuse_give_up = refuse_give_up
         self._warnings = RateLimitedWarnings(log, metrics.count_suppressed)
 
     # =================================================================================== Park
@@ -270,11 +270,9 @@ class KVProducerServicer:
         request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
         confirm = request.delivery_id
-        if not confirm and not self._may_give_up(context.invocation_metadata()):
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "the fetch token may only confirm a delivery (Release with its delivery_id)",
-            )
+        refusal = None if confirm else self._refuse_give_up(context.invocation_metadata())
+        if refusal is not None:
+            await context.abort(*refusal)
         refused = self._lot.release(kid, confirm)
         if refused is None:
             if not confirm:  # confirmations are the normal end of every load: not logged

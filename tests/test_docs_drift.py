@@ -28,7 +28,7 @@ def test_readme_metric_names_are_exactly_the_exported_ones() -> None:
     section = README.split("### Metrics", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`((?:kvpark|process)_[a-z_]+)", section))
     lot = Lot(HostPool(1 << 20), LotSettings(), epoch=1, clock=lambda: 0.0)
-    metrics = ProducerMetrics(lot)
+    metrics = ProducerMetrics(lot.pool.statistics(), lot.statistics())
     metrics.count_park(pb.REASON_UNSPECIFIED)
     metrics.count_fetch(pb.REASON_UNSPECIFIED)
     metrics.suppressed_warnings_total.labels("late_fetch").inc()

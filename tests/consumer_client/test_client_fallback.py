@@ -48,7 +48,7 @@ async def test_partial_path_recomputes_from_the_first_missing_chunk() -> None:
         assert report.result.chunks_loaded == 2
 
 
-async def test_recompute_path_for_a_miss_and_raise_policy() -> None:
+async def test_recompute_path_for_a_miss_and_the_fail_policy() -> None:
     async with running_producer() as server:
 
         def run() -> tuple[object, object]:
@@ -57,22 +57,26 @@ async def test_recompute_path_for_a_miss_and_raise_policy() -> None:
                 report = client.load_or_recompute(
                     "missing", chunk_ids=[3, 4], recompute=lambda k: calls.append(k) or k
                 )
+                failing = lambda k: calls.append(-k)  # noqa: E731 - must never be called
                 with pytest.raises(LoadFailedError) as err:
-                    client.load_or_recompute("missing", num_chunks=1, fallback="raise")
+                    client.load_or_recompute(
+                        "missing", num_chunks=1, policy="fail", recompute=failing
+                    )
             return (report, calls), err.value
 
         (report, calls), error = await in_thread(run)
         assert report.path is LoadPath.RECOMPUTE  # type: ignore[attr-defined]
         assert report.reason is Reason.TIMEOUT  # type: ignore[attr-defined]
+        # The fail policy recomputed nothing: `calls` holds only the recompute policy's call.
         assert report.recomputed_from == 3 and calls == [3]  # type: ignore[attr-defined]
         assert report.recompute_value == 3  # type: ignore[attr-defined]
         assert error.result.reason is Reason.TIMEOUT  # type: ignore[attr-defined]
         assert "TIMEOUT" in str(error)
 
 
-async def test_fallback_policy_is_checked_before_loading() -> None:
+async def test_the_policy_is_checked_before_loading() -> None:
     async with AsyncKVConsumer("127.0.0.1:1") as client:
         with pytest.raises(UsageError):
-            await client.load_or_recompute("x", fallback="retry")  # type: ignore[arg-type]
+            await client.load_or_recompute("x", policy="retry")  # type: ignore[arg-type]
         with pytest.raises(UsageError):
             await client.load_or_recompute("x", recompute=None)

@@ -62,7 +62,7 @@ async def test_sync_keep_alive_with_default_interval_and_ended_ids_drop_out() ->
             await park(stub, "released", chunks, total=1)
             client = KVConsumer(server.target)
             ka = client.keep_alive(["kept", "released"])  # interval: a third of the lease
-            ka.start()
+            assert ka.running  # running when returned: there is no unstarted state
             try:
                 await in_thread(client.release, "released")
                 await wait_until(lambda: "released" in ka.ended, what="the ended id to drop")
@@ -87,7 +87,7 @@ async def test_keep_alive_survives_an_unreachable_producer_and_stops_on_close() 
     from conftest import free_port
 
     client = AsyncKVConsumer(f"127.0.0.1:{free_port()}")
-    ka = client.keep_alive(["x"], interval_s=0.05).start()  # no block: only the close stops it
+    ka = client.keep_alive(["x"], interval_s=0.05)  # no block: only the close stops it
     (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "kvpark-keepalive"]
     try:
         await wait_until(lambda: ka.statistics().errors >= 2, what="failed rounds")

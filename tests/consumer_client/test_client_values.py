@@ -28,8 +28,9 @@ from kvpark.client import (
     UsageError,
     classify_status,
 )
-from kvpark.client._buffers import IntoBuffer, OwnedBuffer, byte_view
+from kvpark.client._buffers import ChunkBuffers, IntoBuffer, OwnedBuffer, byte_view, destination_for
 from kvpark.client._session import LoadSession, Step
+from kvpark.client._timeouts import USE_CLIENT_DEFAULT, resolve, to_timeout
 from kvpark.pb import kvpark_pb2 as pb
 
 # ----------------------------------------------------------------------------------- Timeout
@@ -51,12 +52,15 @@ def test_size_scaled_budget_only_shortens_the_total() -> None:
     assert Timeout(total_s=None).budget_s(2**30) is None
 
 
-def test_timeout_coerce() -> None:
+def test_one_timeout_rule_for_every_timeout_argument() -> None:
+    """USE_CLIENT_DEFAULT takes the client's; None means no limit (there and in a client); a
+    number means that many seconds in all; a Timeout is taken as it is."""
     default = Timeout(7)
-    assert Timeout.coerce(None, default) is default
-    assert Timeout.coerce(2.5, default) == Timeout(2.5)
+    assert resolve(USE_CLIENT_DEFAULT, default) is default
+    assert resolve(None, default) == Timeout(total_s=None) == to_timeout(None)
+    assert resolve(2.5, default) == Timeout(2.5) == to_timeout(2.5)
     t = Timeout(1, first_chunk_s=0.5)
-    assert Timeout.coerce(t, default) is t
+    assert resolve(t, default) is t
 
 
 @pytest.mark.parametrize(
@@ -83,11 +87,13 @@ def test_timeout_rejects_bad_values(kwargs: dict[str, object], message: str) -> 
     assert str(err.value).startswith(message)  # names the bad field and the value it got
 
 
-def test_timeout_coerce_rejects_other_types() -> None:
+def test_timeout_arguments_of_other_types_are_misuse() -> None:
     with pytest.raises(UsageError):
-        Timeout.coerce("5", Timeout())  # type: ignore[arg-type]
+        resolve("5", Timeout())  # type: ignore[arg-type]
     with pytest.raises(UsageError):
-        Timeout.coerce(True, Timeout())
+        resolve(True, Timeout())
+    with pytest.raises(UsageError):
+        KVConsumer("h:1", timeout="30")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------ Reason
@@ -232,7 +238,7 @@ def test_into_accepts_writable_contiguous_buffers_without_copying(make: object) 
 )
 def test_into_rejects_what_cannot_be_written_in_place(bad: object) -> None:
     with pytest.raises(UsageError):
-        byte_view(bad)
+        destination_for(bad)
 
 
 def test_into_rejects_readonly_numpy() -> None:
@@ -245,17 +251,44 @@ def test_into_rejects_readonly_numpy() -> None:
 def test_placement_is_back_to_back_and_overflow_is_misuse() -> None:
     into = np.zeros(10, np.uint8)
     dest = IntoBuffer(into)
-    dest.place(memoryview(b"abcd"), 0)
-    dest.place(memoryview(b"efg"), 1)
+    dest.place(memoryview(b"abcd"), 0, 5)
+    dest.place(memoryview(b"efg"), 1, 6)
     assert bytes(into[:7]) == b"abcdefg" and dest.nbytes == 7
     with pytest.raises(BufferTooSmallError) as err:
-        dest.place(memoryview(b"hijk"), 2)
+        dest.place(memoryview(b"hijk"), 2, 7)
     assert (err.value.needed, err.value.available, err.value.chunks_loaded) == (11, 10, 2)
-    assert bytes(dest.array()) == b"abcdefg"
+    assert "chunk 7" in str(err.value)
+    placed = dest.array()
+    assert placed is not None and bytes(placed) == b"abcdefg"
     owned = OwnedBuffer()
-    owned.place(memoryview(b"ab"), 0)
-    owned.place(memoryview(b"c"), 1)
-    assert bytes(owned.array()) == b"abc"
+    owned.place(memoryview(b"ab"), 0, 0)
+    owned.place(memoryview(b"c"), 1, 1)
+    whole = owned.array()
+    assert whole is not None and bytes(whole) == b"abc"
+
+
+def test_per_chunk_destinations_take_scatter_lists_and_refuse_what_does_not_fit() -> None:
+    blocks = [np.zeros(4, np.uint8), [np.zeros(2, np.uint8), np.zeros(3, np.uint8)]]
+    dest = ChunkBuffers(blocks)
+    dest.place(memoryview(b"abcd"), 0, 0)
+    dest.place(memoryview(b"efghi"), 1, 1)  # scattered over the two pieces in order
+    assert bytes(blocks[0]) == b"abcd"
+    assert (bytes(blocks[1][0]), bytes(blocks[1][1])) == (b"ef", b"ghi")
+    with pytest.raises(BufferTooSmallError):
+        dest.place(memoryview(b"x"), 2, 2)  # no third destination
+    asked: list[tuple[int, int]] = []
+
+    def paged(chunk_id: int, nbytes: int) -> np.ndarray:
+        asked.append((chunk_id, nbytes))
+        return np.zeros(3, np.uint8)
+
+    by_call = ChunkBuffers(paged)
+    by_call.place(memoryview(b"xyz"), 0, 9)
+    assert asked == [(9, 3)] and by_call.array() is None
+    with pytest.raises(BufferTooSmallError):
+        by_call.place(memoryview(b"four"), 1, 10)
+    with pytest.raises(UsageError):
+        ChunkBuffers([b"read-only"])
 
 
 # ------------------------------------------------------------------ the session, fed by hand
@@ -384,9 +417,16 @@ def test_closed_client_raises_and_bad_constructor_args() -> None:
 
 
 def test_public_api_is_curated() -> None:
-    assert sorted(consumer_client.__all__) == consumer_client.__all__
+    import kvpark
+
+    assert len(set(consumer_client.__all__)) == len(consumer_client.__all__)
     for name in consumer_client.__all__:
         assert hasattr(consumer_client, name), name
+    # `kvpark` itself: the clients, Timeout, the result, reason and error types; no more.
+    surface = set(kvpark.__all__) - {"__version__"}
+    assert {"KVConsumer", "AsyncKVConsumer", "KVParker", "AsyncKVParker", "Timeout"} <= surface
+    assert surface <= set(consumer_client.__all__)
+    assert all(getattr(kvpark, n) is getattr(consumer_client, n) for n in surface)
     # The exception tree drawn in the module docstring matches the classes.
     assert issubclass(consumer_client.BufferTooSmallError, consumer_client.UsageError)
     assert issubclass(consumer_client.UsageError, ValueError)

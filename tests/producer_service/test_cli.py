@@ -121,6 +121,8 @@ def test_sigterm_during_bound_fetch_drains_it_and_exits_0(producer_process) -> N
             pb.ParkRequest(chunk=pb.Chunk(chunk_id=i, data=d, crc32c=crc32c_of(d)))
             for i, d in payload.items()
         ]
+        commit = pb.ParkCommit(chunks=40, bytes=40 * chunk)
+        requests.append(pb.ParkRequest(commit=commit))
         assert stub.Park(iter(requests)).status == pb.STATUS_OK
         stream = stub.Fetch(pb.FetchRequest(kv_request_id="d"))
         assert next(stream).chunk.data == payload[0]  # bound; the rest is in flight

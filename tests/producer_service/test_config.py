@@ -24,7 +24,6 @@ from kvpark.producer.config import (
 )
 
 SECONDS_KEYS = [name for name, spec in KEYS.items() if spec.metavar == "SECONDS"]
-SPEC_MD = Path(__file__).resolve().parents[3] / "shared" / "design" / "spec.md"
 
 
 def write_json(path: Path, data: object) -> str:
@@ -610,18 +609,6 @@ def test_fields_keys_and_cli_flags_agree() -> None:
         assert spec.help in action.help
         assert getattr(defaults, name) == spec.default
         assert spec.env_var == "KVPARK_" + name.upper()
-
-
-@pytest.mark.skipif(not SPEC_MD.exists(), reason="the design folder is not beside the project")
-def test_keys_match_the_spec_table() -> None:
-    text = SPEC_MD.read_text(encoding="utf-8")
-    section = text.split("## 4.", 1)[1].split("\n## ", 1)[0]
-    spec_keys: list[str] = []
-    for line in section.splitlines():
-        cells = line.split("|")
-        if line.startswith("| `") and len(cells) > 2:
-            spec_keys.extend(re.findall(r"`([a-z_]+)`", cells[1]))
-    assert spec_keys == list(KEYS)
 
 
 def test_other_tools_variables_are_not_producer_typos() -> None:

@@ -138,6 +138,8 @@ park_op = st.fixed_dictionaries(
         "batch_bytes": st.sampled_from([0, 0, 1, 100_000, 5 * MiB, 2**63]),
         "chunks": st.lists(chunk, max_size=5),
         "header": st.sampled_from(["first", "missing", "repeated", "empty"]),
+        # The ParkCommit: naming what was sent, naming other counts, or none at all.
+        "commit": st.sampled_from(["match", "match", "mismatch", "none"]),
         "cancel_after": st.none() | st.integers(0, 3),
     }
 )
@@ -179,12 +181,18 @@ def park_messages(op: dict[str, Any]) -> list[bytes]:
         )
     ).SerializeToString()
     body = []
+    sent = 0
     for cid, size, crc_mode, variant in op["chunks"]:
         data = payload(op["id"], cid, size, variant)
-        crc = {"crc": crc32c_of(data), "nocrc": 0, "badcrc": crc32c_of(data) ^ 0x5A5A}[crc_mode]
+        crc = {"crc": crc32c_of(data), "nocrc": None, "badcrc": crc32c_of(data) ^ 0x5A5A}[crc_mode]
+        sent += len(data)
         body.append(
             pb.ParkRequest(chunk=pb.Chunk(chunk_id=cid, data=data, crc32c=crc)).SerializeToString()
         )
+    if op["commit"] != "none":
+        extra = 1 if op["commit"] == "mismatch" else 0
+        commit = pb.ParkCommit(chunks=len(body) + extra, bytes=sent)
+        body.append(pb.ParkRequest(commit=commit).SerializeToString())
     shape = op["header"]
     if shape == "missing":
         return body
@@ -290,6 +298,7 @@ FIXED_OPS: list[dict[str, Any]] = [
         "total": 3,
         "batch_bytes": 0,
         "header": "first",
+        "commit": "match",
         "cancel_after": None,
         "chunks": [(0, 1000, "crc", 0), (1, 1000, "nocrc", 0)],
     },
@@ -299,6 +308,7 @@ FIXED_OPS: list[dict[str, Any]] = [
         "total": 3,
         "batch_bytes": 0,
         "header": "first",
+        "commit": "match",
         "cancel_after": None,
         "chunks": [(1, 1000, "crc", 1)],
     },  # same chunk, other bytes: CHUNK_CONFLICT
@@ -308,9 +318,20 @@ FIXED_OPS: list[dict[str, Any]] = [
         "total": 0,
         "batch_bytes": 0,
         "header": "first",
+        "commit": "match",
         "cancel_after": None,
         "chunks": [(0, 500, "badcrc", 0)],
     },  # CHECKSUM_MISMATCH
+    {
+        "op": "park",
+        "id": "c",
+        "total": 0,
+        "batch_bytes": 0,
+        "header": "first",
+        "commit": "mismatch",
+        "cancel_after": None,
+        "chunks": [(0, 500, "crc", 0)],
+    },  # COMMIT_MISMATCH
     {
         "op": "fetch",
         "id": "a",
@@ -366,6 +387,7 @@ def test_hostile_run_reached_the_interesting_outcomes(producer: ThreadedProducer
         'reason="chunk_conflict"',
         'reason="checksum_mismatch"',
         'reason="epoch_mismatch"',
+        'reason="commit_mismatch"',
     ]:
         assert needle in text, needle
     stats = producer.on_loop(producer.server.lot.statistics)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 from conftest import FakeClock, MiB, fetch_all, park, running_producer, stub_for, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,13 +43,16 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
 
         await park(stub, "served", {0: b"s" * 1000}, total=1)
         await park(stub, "doomed", {0: b"d" * 2000}, total=1)
-        m = await get_metrics(server.metrics_port)
+        # Scrapes read what the event loop published on its last reaper pass.
+        m = await scraped(server, lambda m: m[("kvpark_parked_ids", ())] == 2)
         assert m[("kvpark_park_total", (("reason", "none"), ("status", "ok")))] == 2
-        assert m[("kvpark_parked_ids", ())] == 2
         assert m[("kvpark_parked_bytes_total", ())] == 3000
         assert m[("kvpark_pool_used_bytes", ())] > 0
 
-        await fetch_all(stub, "served")
+        done = (await fetch_all(stub, "served"))[-1].done
+        m = await scraped(server, lambda m: m[("kvpark_delivered_ids", ())] == 1)
+        assert m[("kvpark_delivered_total", ())] == 1 and m[("kvpark_parked_ids", ())] == 1
+        await stub.Release(pb.ReleaseRequest(kv_request_id="served", delivery_id=done.delivery_id))
         clock.advance(5)
         await fetch_all(stub, "never-parked", wait_timeout_s=0.01)
         clock.advance(1)
@@ -55,17 +60,32 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
         await wait_until(lambda: server.lot.statistics().reaped_total == 1)
         await fetch_all(stub, "doomed")  # late: answered from the tombstone
 
-        m = await get_metrics(server.metrics_port)
+        m = await scraped(server, lambda m: m[("kvpark_late_fetch_rejections_total", ())] == 1)
         assert m[("kvpark_fetch_total", (("reason", "none"), ("status", "ok")))] == 1
         assert m[("kvpark_fetch_total", (("reason", "reaped"), ("status", "failed")))] == 1
         assert m[("kvpark_fetch_total", (("reason", "wait_timeout"), ("status", "failed")))] == 1
         assert m[("kvpark_reaped_total", ())] == 1
-        assert m[("kvpark_late_fetch_rejections_total", ())] == 1
+        assert m[("kvpark_confirmed_total", ())] == 1 and m[("kvpark_consumed_total", ())] == 1
+        assert m[("kvpark_delivered_ids", ())] == 0
         assert m[("kvpark_sent_bytes_total", ())] == 1000
         assert m[("kvpark_tombstones", ())] == 2
         assert m[("kvpark_parked_ids", ())] == 0 and m[("kvpark_pool_used_bytes", ())] == 0
         assert m[("kvpark_fetch_duration_seconds_count", ())] == 3
         assert m[("kvpark_time_to_fetch_seconds_count", ())] == 1
+
+
+async def scraped(server: Any, ready: Callable[[dict[Any, float]], bool]) -> dict[Any, float]:
+    """The first scrape that satisfies `ready` (the snapshot is published on reaper passes,
+    which a test producer runs every 50 ms)."""
+    found: list[dict[Any, float]] = []
+
+    async def scrape() -> bool:
+        m = await get_metrics(server.metrics_port)
+        found[:] = [m]
+        return ready(m)
+
+    await wait_until(scrape, what="a scrape showing the change")
+    return found[0]
 
 
 async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> None:
@@ -82,8 +102,7 @@ async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> No
         await wait_until(lambda: server.lot.statistics().reaped_total == 1)
         for _ in range(20):
             await fetch_all(stub, "noisy")
-        m = await get_metrics(server.metrics_port)
-        assert m[("kvpark_late_fetch_rejections_total", ())] == 20
+        m = await scraped(server, lambda m: m[("kvpark_late_fetch_rejections_total", ())] == 20)
         # The first late fetch is logged; the other 19 for the same id are counted instead.
         assert m[("kvpark_suppressed_warnings_total", (("kind", "late_fetch"),))] == 19
 
@@ -100,12 +119,12 @@ def test_process_memory_is_exported_and_holds_the_pool(producer_process) -> None
 
 
 def test_documented_metric_names_exist() -> None:
-    """The names operators alert on (the issue's list) are all exported."""
+    """The names operators alert on are all exported."""
     from kvpark.producer.lot import Lot, LotSettings
     from kvpark.producer.pool import HostPool
 
     lot = Lot(HostPool(1 << 20), LotSettings(), epoch=1, clock=lambda: 0.0)
-    metrics = ProducerMetrics(lot)
+    metrics = ProducerMetrics(lot.pool.statistics(), lot.statistics())
     metrics.count_fetch(pb.REASON_UNSPECIFIED)
     metrics.count_park(pb.REASON_UNSPECIFIED)
     from prometheus_client import generate_latest
@@ -116,6 +135,10 @@ def test_documented_metric_names_exist() -> None:
         "kvpark_pool_used_bytes",
         "kvpark_parked_ids",
         "kvpark_bound_ids",
+        "kvpark_delivered_ids",
+        "kvpark_confirmed_total",
+        "kvpark_evicted_total",
+        "kvpark_stalled_fetches_total",
         "kvpark_tombstones",
         "kvpark_park_total",
         "kvpark_fetch_total",

@@ -102,6 +102,52 @@ async def test_tokens_by_role() -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_the_fetch_role_confirms_its_deliveries_and_gives_nothing_up() -> None:
+    """Release by the fetch token: confirming a delivery it received works, giving an id up
+    (no delivery_id) is PERMISSION_DENIED, and a delivery id it did not receive confirms
+    nothing."""
+    async with running_producer(park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN) as server:
+        async with grpc.aio.insecure_channel(server.target, options=channel_options()) as ch:
+            stub = pb_grpc.KVProducerStub(ch)
+            for kid in ("mine", "other"):
+                reply = await stub.Park(
+                    iter(park_requests(kid, {0: b"kv"}, total=1)), metadata=bearer(PARK_TOKEN)
+                )
+                assert reply.status == pb.STATUS_OK
+            fetched = [
+                m
+                async for m in stub.Fetch(
+                    pb.FetchRequest(kv_request_id="mine"), metadata=bearer(FETCH_TOKEN)
+                )
+            ]
+            delivery = fetched[-1].done.delivery_id
+            give_up = stub.Release(
+                pb.ReleaseRequest(kv_request_id="other"), metadata=bearer(FETCH_TOKEN)
+            )
+            assert await call_code(give_up) == grpc.StatusCode.PERMISSION_DENIED
+            wrong = await stub.Release(
+                pb.ReleaseRequest(kv_request_id="mine", delivery_id=delivery ^ 1),
+                metadata=bearer(FETCH_TOKEN),
+            )
+            assert (wrong.status, wrong.reason) == (pb.STATUS_FAILED, pb.REASON_UNKNOWN_ID)
+            assert server.lot.lookup(["mine"])[0].state == pb.STATE_DELIVERED
+            confirmed = await stub.Release(
+                pb.ReleaseRequest(kv_request_id="mine", delivery_id=delivery),
+                metadata=bearer(FETCH_TOKEN),
+            )
+            assert confirmed.status == pb.STATUS_OK
+            states = server.lot.lookup(["mine", "other"])
+            assert [(s.state, s.reason) for s in states] == [
+                (pb.STATE_TOMBSTONED, pb.REASON_ALREADY_CONSUMED),
+                (pb.STATE_PARKED, pb.REASON_UNSPECIFIED),
+            ]
+            # The park role may still give an id up.
+            released = await stub.Release(
+                pb.ReleaseRequest(kv_request_id="other"), metadata=bearer(PARK_TOKEN)
+            )
+            assert released.status == pb.STATUS_OK
+
+
 async def test_refused_calls_are_logged_once_per_peer_and_the_rest_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -48,8 +48,16 @@ async def test_happy_path_bytes_identical_in_requested_order_and_pool_freed() ->
         assert [m.chunk.data for m in msgs[:-1]] == [data[i] for i in order]
         assert all(m.chunk.crc32c == crc32c_of(data[m.chunk.chunk_id]) for m in msgs[:-1])
         done = msgs[-1].done
-        assert done.status == pb.STATUS_OK
+        assert done.status == pb.STATUS_OK and done.delivery_id != 0
         assert done.chunks_sent == 5 and done.bytes_sent == sum(map(len, data.values()))
+        assert done.producer_epoch == server.epoch
+        # Delivered, not yet confirmed: the bytes stay for a retry until the consumer says so.
+        assert (await state_of(stub, "req-1")).state == pb.STATE_DELIVERED
+        assert server.pool.statistics().stored_bytes == sum(map(len, data.values()))
+        confirmed = await stub.Release(
+            pb.ReleaseRequest(kv_request_id="req-1", delivery_id=done.delivery_id)
+        )
+        assert confirmed.status == pb.STATUS_OK
         assert server.pool.statistics().used_bytes == 0
         server.lot.check_invariants()
         state = await state_of(stub, "req-1")
@@ -247,7 +255,10 @@ async def test_release() -> None:
 
 
 async def test_pool_full_with_retry_after_and_too_large() -> None:
-    async with running_producer(pool_bytes=8 * MiB, max_chunk_bytes=4 * MiB) as server:
+    # The whole pool may go to one batch here (max_batch_share 1), to fill it in two parks.
+    async with running_producer(
+        pool_bytes=8 * MiB, max_chunk_bytes=4 * MiB, max_batch_share=1
+    ) as server:
         async with stub_for(server) as stub:
             big = await park(stub, "huge", {}, batch_bytes=9 * MiB)
             assert (big.status, big.reason) == (pb.STATUS_FAILED, pb.REASON_TOO_LARGE)
@@ -263,10 +274,13 @@ async def test_pool_full_with_retry_after_and_too_large() -> None:
             assert server.pool.statistics().used_bytes == before
             assert (await state_of(stub, "c")).state == pb.STATE_UNKNOWN
             server.lot.check_invariants()
-            # Memory frees -> parks succeed again.
+            # Memory frees -> parks succeed again: "a" is delivered, and a delivered id is the
+            # first thing freed under pool pressure (EVICTED), without waiting for its grace.
             await fetch_all(stub, "a")
             ok = await park(stub, "c", {0: b"c" * MiB, 1: b"d" * (2 * MiB)}, total=2)
             assert ok.status == pb.STATUS_OK
+            evicted = await state_of(stub, "a")
+            assert (evicted.state, evicted.reason) == (pb.STATE_TOMBSTONED, pb.REASON_EVICTED)
 
 
 @pytest.mark.parametrize("cut", ["cancel", "deadline"])
@@ -278,13 +292,14 @@ async def test_park_cut_off_mid_batch_is_undone_not_committed(cut: str) -> None:
         hold = asyncio.Event()
 
         async def upload() -> Any:
-            for message in park_requests("cut", chunks_of(2, 256 * 1024), total=4):
+            for message in park_requests("cut", chunks_of(2, 256 * 1024), total=4, commit=False):
                 yield message
             await hold.wait()  # chunks 2 and 3 never come
 
         call = stub.Park(upload(), timeout=1.0 if cut == "deadline" else None)
         await wait_until(
-            lambda: server.lot.lookup(["cut"])[0].chunks_parked == 2, what="two chunks stored"
+            lambda: server.lot.statistics().pending_bytes == 2 * 256 * 1024 + 1,
+            what="two chunks stored",
         )
         if cut == "cancel":
             call.cancel()
@@ -327,22 +342,22 @@ async def test_a_failing_reaper_pass_is_logged_and_reaping_goes_on(
         assert "reaper pass failed" in caplog.text
 
 
-async def test_a_park_stream_that_goes_quiet_is_undone_after_a_lease() -> None:
+async def test_a_park_stream_that_goes_quiet_is_undone_after_the_idle_timeout() -> None:
     """A prefill client that stays connected but stops sending (stuck) would otherwise hold its
-    reserved pages for ever, since no lease runs while a batch is open: after
-    unbound_store_timeout_s of silence the batch is undone and the call answered."""
-    async with running_producer(unbound_store_timeout_s=0.5) as server, stub_for(server) as stub:
+    reserved pages for ever: after park_idle_timeout_s of silence the batch is undone and the
+    call answered in-band, without waiting for the client's next message."""
+    async with running_producer(park_idle_timeout_s=0.5) as server, stub_for(server) as stub:
         hold = asyncio.Event()
 
         async def upload() -> Any:
-            # A header that reserves 4 MiB and no chunk: no chunk, so no lease and no reaper.
-            for message in park_requests("quiet", {}, total=4, batch_bytes=4 * MiB):
+            # A header that reserves 4 MiB and no chunk.
+            for message in park_requests("quiet", {}, total=4, batch_bytes=4 * MiB, commit=False):
                 yield message
             await hold.wait()  # connected, silent
 
         reply = await asyncio.wait_for(stub.Park(upload()), 10)
         hold.set()
-        assert (reply.status, reply.reason) == (pb.STATUS_FAILED, pb.REASON_REAPED)
+        assert (reply.status, reply.reason) == (pb.STATUS_FAILED, pb.REASON_NOT_COMMITTED)
         assert "sent nothing for 0.5s" in reply.detail
         pool = server.pool.statistics()
         assert (pool.used_bytes, pool.reservations_open) == (0, 0)
@@ -486,9 +501,9 @@ async def test_server_info_health_and_reflection() -> None:
 
 
 async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
-    """Spec §3 shutdown: a bound Fetch that can finish is served to its end — the producer
-    waits for it, not for the whole grace — and only then is what remains (an id parked but
-    never fetched) failed SHUTTING_DOWN."""
+    """Shutdown: a bound Fetch that can finish is served to its end — the producer waits for
+    it, not for the whole grace — and only then is what remains (an id parked but never
+    fetched, and the drained one, delivered but not confirmed) failed SHUTTING_DOWN."""
     grace = 30.0
     async with running_producer(shutdown_grace_s=grace) as server:
         # Without BDP probing the fetch's HTTP/2 window stays at 64 KiB, so the producer cannot
@@ -525,7 +540,7 @@ async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
         drained, rest_failed = server.lot.lookup(["drain", "parked"])
         assert (drained.state, drained.reason) == (
             pb.STATE_TOMBSTONED,
-            pb.REASON_ALREADY_CONSUMED,
+            pb.REASON_SHUTTING_DOWN,
         )
         assert (rest_failed.state, rest_failed.reason) == (
             pb.STATE_TOMBSTONED,
