@@ -30,8 +30,10 @@ from ._errors import UsageError, classify_status, error_for
 from ._result import ParkResult, Reason
 
 _UINT32_MAX = 2**32 - 1
-# A POOL_FULL retry waits at least this long, so a producer that says "now" is not hammered.
-MIN_RETRY_WAIT_S = 0.05
+# POOL_FULL retries back off from this wait, doubling, never beyond the producer's
+# retry_after_s: that is its estimate of when a lease ends, but room also frees sooner (a
+# release, a confirmed delivery, a batch undone), and a short first wait catches that.
+FIRST_RETRY_WAIT_S = 0.05
 
 ChunkPayload = Any  # a buffer, or a list/tuple of buffers sent as one chunk
 Chunks = Sequence[ChunkPayload] | Sequence[tuple[int, ChunkPayload]] | Mapping[int, ChunkPayload]
@@ -179,7 +181,8 @@ class ParkOutcome:
         and only when the wait still leaves time for the call within the deadline."""
         if result.reason is not Reason.POOL_FULL:
             return None
-        wait = max(result.retry_after_s, MIN_RETRY_WAIT_S)
+        backoff = FIRST_RETRY_WAIT_S * 2.0 ** (self.attempts - 1)
+        wait = max(FIRST_RETRY_WAIT_S, min(backoff, result.retry_after_s))
         remaining = self.remaining_s()
         if remaining is not None and wait >= remaining:
             return None

@@ -13,8 +13,9 @@ would silently do nothing); leaving the block, `stop()`, or closing the client e
 
 Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
 `unbound_store_timeout_s`); the default interval is a third of the shortest lease the producer
-reported in the last round, so two rounds may fail before a lease is at risk. An id the producer reports TOMBSTONED (consumed, reaped, released)
-is dropped from the set and recorded in `ended` with its reason — renewing it cannot help.
+reported in the last round, so two rounds may fail before a lease is at risk. An id the
+producer reports TOMBSTONED (consumed, reaped, released) is dropped from the set and recorded in
+`ended` with its reason — renewing it cannot help.
 Errors never escape the background loop: they are counted, kept in `last_error` and logged
 once per change, and the loop keeps trying (the producer may be restarting). Stopping waits for
 the loop; a KeepAlive call in flight is bounded by the interval, so a round ends within its own

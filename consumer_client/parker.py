@@ -11,10 +11,11 @@ Two ways to park, both all-or-nothing on the producer:
         batch.result                                     # committed on a clean exit
 
 `park` declares the batch's size, so the producer reserves the pool up front or answers
-POOL_FULL before any byte is sent; it then waits `retry_after_s` and tries again while the
-call's timeout allows. A `batch` streams chunks as they are produced and is committed when the
-block ends cleanly; an exception inside the block undoes it (no commit is sent, the call is
-cancelled, the producer frees what arrived). A batch cannot be retried by the library (it does
+POOL_FULL before any byte is sent; it then tries again while the call's timeout allows,
+backing off from 50 ms and never waiting longer than the producer's `retry_after_s`. A `batch`
+streams chunks as they are produced and is committed when the block ends cleanly; an
+exception inside the block undoes it (no commit is sent, the call is cancelled, the producer
+frees what arrived). A batch cannot be retried by the library (it does
 not keep the chunks): `put` returns False once the producer ended the batch, and
 `batch.result` says why. Every refusal is a `ParkResult` with `ok=False` and a reason;
 exceptions are for misuse and misconfiguration, as for loads.

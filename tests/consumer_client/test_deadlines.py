@@ -1,0 +1,208 @@
+"""Every client call ends within its own deadline, and the one timeout rule holds.
+
+The adversary is a frozen producer: it accepts TCP connections and never answers (no HTTP/2
+settings, no status), the failure a client exists to survive. Against it, concurrent loads with
+different timeouts each end within their own timeout plus a small margin, sync and async: no
+call waits behind another's first contact. Then one test per row of the timeout rule (README,
+"Timeouts"): the client's timeout applies to loads and unary calls alike, a call's timeout
+overrides it, USE_CLIENT_DEFAULT means the client's, None means no limit, a number means that
+many seconds in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import park, running_producer, stub_for
+
+from kvpark import AsyncKVConsumer, KVConsumer, KVParker, Reason, Timeout, TransportError
+from kvpark.client import USE_CLIENT_DEFAULT, ClientClosedError
+
+# What a call may take beyond its own timeout: scheduling on a busy 2-core machine.
+MARGIN_S = 0.6
+TIMEOUTS_S = [0.2, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6, 2.0]
+
+
+class FrozenProducer:
+    """Accepts connections and holds them open without reading or writing a byte."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.1)
+        while not self._stop:
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        for conn in self._held:
+            conn.close()
+        self._listener.close()
+
+
+@pytest.fixture
+def frozen() -> Iterator[FrozenProducer]:
+    producer = FrozenProducer()
+    yield producer
+    producer.close()
+
+
+def assert_within(elapsed: float, timeout: float) -> None:
+    assert elapsed <= timeout + MARGIN_S, f"took {elapsed:.3f}s against its own {timeout}s"
+
+
+# ============================================================ concurrent calls, one each
+def test_concurrent_sync_loads_each_end_within_their_own_timeout(frozen: FrozenProducer) -> None:
+    results: dict[float, tuple[Any, float]] = {}
+    with KVConsumer(frozen.target) as client:
+
+        def one(timeout: float) -> None:
+            started = time.monotonic()
+            result = client.load("x", num_chunks=1, timeout=timeout)
+            results[timeout] = (result, time.monotonic() - started)
+
+        threads = [threading.Thread(target=one, args=(t,)) for t in TIMEOUTS_S]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert sorted(results) == TIMEOUTS_S
+    for timeout, (result, elapsed) in results.items():
+        assert result.reason is Reason.TIMEOUT
+        assert_within(elapsed, timeout)
+
+
+async def test_concurrent_async_loads_each_end_within_their_own_timeout(
+    frozen: FrozenProducer,
+) -> None:
+    async with AsyncKVConsumer(frozen.target) as client:
+
+        async def one(timeout: float) -> tuple[Any, float]:
+            started = time.monotonic()
+            result = await client.load("x", num_chunks=1, timeout=timeout)
+            return result, time.monotonic() - started
+
+        outcomes = await asyncio.gather(*(one(t) for t in TIMEOUTS_S))
+    for timeout, (result, elapsed) in zip(TIMEOUTS_S, outcomes, strict=True):
+        assert result.reason is Reason.TIMEOUT
+        assert_within(elapsed, timeout)
+
+
+def test_keep_alive_rounds_end_within_their_interval(frozen: FrozenProducer) -> None:
+    """Against a producer that never answers, each KeepAlive round fails at its own deadline
+    (never longer than the interval), and stopping the loop returns promptly."""
+    with KVConsumer(frozen.target) as client:
+        keepalive = client.keep_alive(["a"], interval_s=0.3)
+        deadline = time.monotonic() + 10
+        while keepalive.statistics().errors < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keepalive.statistics().errors >= 3  # rounds keep coming, each bounded
+        started = time.monotonic()
+        keepalive.stop()
+        assert_within(time.monotonic() - started, 0.3)
+
+
+def test_a_parker_call_ends_within_its_own_timeout(frozen: FrozenProducer) -> None:
+    with KVParker(frozen.target) as parker:
+        started = time.monotonic()
+        result = parker.park("x", [b"kv"], timeout=0.3)
+        assert result.reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, 0.3)
+
+
+# ======================================================================= the timeout rule
+def test_rule_the_clients_timeout_applies_to_loads_and_unary_calls(
+    frozen: FrozenProducer,
+) -> None:
+    with KVConsumer(frozen.target, timeout=0.3) as client:
+        started = time.monotonic()
+        assert client.load("x", num_chunks=1).reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, 0.3)
+        started = time.monotonic()
+        with pytest.raises(TransportError):
+            client.lookup(["x"])
+        assert_within(time.monotonic() - started, 0.3)
+
+
+def test_rule_a_calls_timeout_overrides_the_clients(frozen: FrozenProducer) -> None:
+    with KVConsumer(frozen.target, timeout=30) as client:
+        started = time.monotonic()
+        assert client.load("x", num_chunks=1, timeout=0.3).reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, 0.3)
+        started = time.monotonic()
+        with pytest.raises(TransportError):
+            client.extend_leases(["x"], timeout=Timeout(0.3))
+        assert_within(time.monotonic() - started, 0.3)
+
+
+def test_rule_use_client_default_means_the_clients_timeout(frozen: FrozenProducer) -> None:
+    with KVConsumer(frozen.target, timeout=Timeout(0.3)) as client:
+        started = time.monotonic()
+        result = client.load("x", num_chunks=1, timeout=USE_CLIENT_DEFAULT)
+        assert result.reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, 0.3)
+        with pytest.raises(TransportError):
+            client.server_info(timeout=USE_CLIENT_DEFAULT)
+
+
+def test_rule_none_means_no_limit_for_a_call(frozen: FrozenProducer) -> None:
+    """`timeout=None` on a call lifts the client's 0.2 s: the call is still waiting well past
+    it, and only closing the client ends it."""
+    client = KVConsumer(frozen.target, timeout=0.2)
+    outcome: list[BaseException] = []
+
+    def unbounded() -> None:
+        try:
+            client.lookup(["x"], timeout=None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=unbounded)
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive() and not outcome, "a call with timeout=None must not time out"
+    client.close()
+    thread.join(10)
+    assert isinstance(outcome[0], ClientClosedError)
+
+
+async def test_rule_none_means_no_limit_for_a_client() -> None:
+    """A client made with `timeout=None` puts no deadline on a load: a fetch before park that
+    the producer serves after 0.6 s succeeds, where a 0.3 s client would give up."""
+    async with running_producer() as server, stub_for(server) as stub:
+        async with AsyncKVConsumer(server.target, timeout=None) as unbounded:
+            assert unbounded.timeout.total_s is None
+            loading = asyncio.ensure_future(unbounded.load("later", num_chunks=1))
+            await asyncio.sleep(0.6)
+            await park(stub, "later", {0: b"kv"}, total=1)
+            result = await loading
+            assert result.ok and result.elapsed_s >= 0.6
+        async with AsyncKVConsumer(server.target, timeout=0.3) as bounded:
+            assert (await bounded.load("never", num_chunks=1)).reason is Reason.TIMEOUT
+
+
+def test_rule_a_number_means_that_many_seconds_in_all(frozen: FrozenProducer) -> None:
+    with KVConsumer(frozen.target, timeout=0.25) as client:
+        assert client.timeout == Timeout(total_s=0.25)
+        started = time.monotonic()
+        assert client.load("x", num_chunks=1).reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, 0.25)
