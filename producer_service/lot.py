@@ -54,6 +54,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
@@ -226,8 +227,10 @@ class ParkDone:
     lease_remaining_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class IdStatus:
+class IdStatus(NamedTuple):
+    """One id's state as Lookup and KeepAlive answer it (a tuple: ~1 µs cheaper per id than a
+    frozen dataclass, and a 1000-id Lookup builds a thousand of them on the event loop)."""
+
     kv_request_id: str
     state: pb.State
     reason: Reason = pb.REASON_UNSPECIFIED

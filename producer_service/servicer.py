@@ -32,6 +32,7 @@ from .lot import (
     FetchBinding,
     FetchEnd,
     FetchWait,
+    IdStatus,
     Lot,
     MalformedRequest,
     ParkBatch,
@@ -267,10 +268,10 @@ class KVProducerServicer:
         extend_s = request.extend_s
         if not math.isfinite(extend_s) or extend_s < 0:
             await _invalid(context, f"extend_s must be >= 0 and finite, got {extend_s!r}")
-        states: list[pb.IdState] = []
+        reply = pb.KeepAliveResponse()
         async for part in _in_slices(ids):
-            states += [_id_state(s) for s in self._lot.keep_alive(part, extend_s)]
-        return pb.KeepAliveResponse(states=states)
+            _add_states(reply.states, self._lot.keep_alive(part, extend_s))
+        return reply
 
     async def Release(self, raw: pb.ReleaseRequest | Malformed, context: Any) -> pb.ReleaseResponse:
         request = await _well_formed(context, raw)
@@ -292,10 +293,10 @@ class KVProducerServicer:
     async def Lookup(self, raw: pb.LookupRequest | Malformed, context: Any) -> pb.LookupResponse:
         request = await _well_formed(context, raw)
         ids = await _valid_ids(context, request.kv_request_ids)
-        states: list[pb.IdState] = []
+        reply = pb.LookupResponse()
         async for part in _in_slices(ids):
-            states += [_id_state(s) for s in self._lot.lookup(part)]
-        return pb.LookupResponse(states=states)
+            _add_states(reply.states, self._lot.lookup(part))
+        return reply
 
     async def GetServerInfo(
         self, raw: pb.GetServerInfoRequest | Malformed, context: Any
@@ -418,17 +419,21 @@ async def _well_formed(context: Any, request: T | Malformed) -> T:
     return request
 
 
-def _id_state(s: Any) -> pb.IdState:
-    return pb.IdState(
-        kv_request_id=s.kv_request_id,
-        state=s.state,
-        reason=s.reason,
-        chunks_parked=s.chunks_parked,
-        total_chunks=s.total_chunks,
-        bytes=s.nbytes,
-        age_s=s.age_s,
-        lease_remaining_s=s.lease_remaining_s,
-    )
+def _add_states(states: Any, statuses: list[IdStatus]) -> None:
+    """Appends each status to a repeated IdState field in place (building IdState messages
+    first and passing them in would copy each one again)."""
+    add = states.add
+    for s in statuses:
+        add(
+            kv_request_id=s.kv_request_id,
+            state=s.state,
+            reason=s.reason,
+            chunks_parked=s.chunks_parked,
+            total_chunks=s.total_chunks,
+            bytes=s.nbytes,
+            age_s=s.age_s,
+            lease_remaining_s=s.lease_remaining_s,
+        )
 
 
 def method_handlers(servicer: KVProducerServicer) -> grpc.GenericRpcHandler:
