@@ -1,8 +1,9 @@
 """`kvpark-producer` / `python -m kvpark.producer`: start a producer from its configuration.
 
-A thin layer over `config.load_config` and `server.serve`: a configuration error (a pool larger
-than the memory the process may use included, see memory_room.py) is printed on one line and
-exits 2; a clean shutdown on SIGTERM/SIGINT exits 0.
+A thin layer over `config_sources.load_config`, `credentials.load_credentials` and
+`server.serve`: a configuration error (an unreadable token or certificate file, or a pool larger
+than the memory the process may use, see memory_room.py) is printed on one line and exits 2; a
+clean shutdown on SIGTERM/SIGINT exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Sequence
 
 from kvpark.alloc import tune_allocator
 
-from .config import ConfigError, load_config
+from .config_sources import load_config
+from .config_values import ConfigError
+from .credentials import load_credentials
 from .logs import configure_logging
 from .memory_room import check_pool_fits, measure_room
 
@@ -21,17 +24,18 @@ from .memory_room import check_pool_fits, measure_room
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(sys.argv[1:] if argv is None else argv)
+        credentials = load_credentials(config)
         configure_logging(config.log_level, config.log_format)
         # Before the pool is allocated: one that cannot fit would get us OOM-killed silently.
         check_pool_fits(config.pool_bytes, measure_room())
     except ConfigError as exc:
         print(f"kvpark-producer: config error: {exc}", file=sys.stderr)
         return 2
-    tune_allocator()  # multi-MiB messages off fresh mmaps (performance-notes.md)
+    tune_allocator()  # multi-MiB messages off fresh mmaps (docs/performance.md)
     from .server import serve  # after config: a bad flag answers without importing grpc
 
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, credentials))
     except ConfigError as exc:  # found at start-up (the file-descriptor budget)
         print(f"kvpark-producer: config error: {exc}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import resource
 
-from .config import ConfigError
+from .config_values import ConfigError
 
 
 def check_fd_budget(needed: int) -> int:

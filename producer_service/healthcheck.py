@@ -24,6 +24,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvpark.address import Address
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
@@ -31,14 +33,10 @@ def default_target(listen: str | None) -> str:
     """The address to probe for a producer listening on ``listen`` (``host:port``)."""
     if not listen:
         return DEFAULT_TARGET
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port:
+    try:
+        return str(Address.parse(listen).dialable())
+    except ValueError:
         return DEFAULT_TARGET
-    if host in ("", "0.0.0.0", "*"):
-        host = "127.0.0.1"
-    elif host in ("[::]", "::"):
-        host = "[::1]"
-    return f"{host}:{port}"
 
 
 def _read(path: str | None) -> bytes | None:

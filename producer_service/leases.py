@@ -26,7 +26,9 @@ class LeaseQueue(Generic[T]):
     def __init__(self) -> None:
         self._in_order: deque[tuple[float, int, T]] = deque()  # nondecreasing deadlines
         self._heap: list[tuple[float, int, T]] = []  # everything that arrived out of order
-        self.pops = 0  # items popped so far (tests count a pass's work with it)
+        # Items popped so far: the work reaper passes did, which must grow with what expired,
+        # never with what is parked.
+        self.pops = 0
 
     def __len__(self) -> int:
         return len(self._in_order) + len(self._heap)

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from .config_values import ConfigError
 from .logs import LOGGER_NAME
 
 log = logging.getLogger(LOGGER_NAME)

@@ -10,12 +10,10 @@ SHUTTING_DOWN — and returns exit code 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +25,7 @@ from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
 from .config import ProducerConfig
+from .credentials import Credentials, load_credentials
 from .fd_budget import check_fd_budget
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
@@ -82,14 +81,14 @@ def _grpc_options(config: ProducerConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def _server_credentials(config: ProducerConfig) -> grpc.ServerCredentials:
-    """TLS from the configured files; a client CA makes client certificates mandatory (mTLS)."""
-    assert config.tls_cert_file and config.tls_key_file
-    key = Path(config.tls_key_file).read_bytes()
-    cert = Path(config.tls_cert_file).read_bytes()
-    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+def _server_credentials(credentials: Credentials) -> grpc.ServerCredentials:
+    """TLS from the loaded files; a client CA makes client certificates mandatory (mTLS)."""
+    assert credentials.tls_cert is not None and credentials.tls_key is not None
+    client_ca = credentials.tls_client_ca
     return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        [(credentials.tls_key, credentials.tls_cert)],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
     )
 
 
@@ -98,10 +97,13 @@ class ProducerServer:
         self,
         config: ProducerConfig,
         *,
+        credentials: Credentials | None = None,
         clock: Clock = time.monotonic,
         epoch: int | None = None,
     ) -> None:
         self.config = config
+        # Read at construction when not given: the file I/O of the configuration's load step.
+        self.credentials = credentials if credentials is not None else load_credentials(config)
         self.epoch = epoch if epoch is not None else (secrets.randbits(64) or 1)
         self.pool = HostPool(config.pool_bytes)
         settings = LotSettings(
@@ -130,7 +132,6 @@ class ProducerServer:
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
-        self._reap_now = asyncio.Event()
         self.idle_trim = IdleHeapTrim(clock=clock)
         self.port = 0
         self.metrics_port = 0
@@ -164,7 +165,7 @@ class ProducerServer:
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvpark-reaper")
         metrics_address = self.config.metrics_address
         if metrics_address is not None:
-            self.metrics_port = self.metrics.serve(*metrics_address)
+            self.metrics_port = self.metrics.serve(metrics_address.host, metrics_address.port)
         log.info(
             "producer serving",
             extra={
@@ -180,8 +181,7 @@ class ProducerServer:
         )
 
     def _token_interceptor(self) -> TokenAuthInterceptor | None:
-        c = self.config
-        park, fetch = c.resolved_park_token(), c.resolved_fetch_token()
+        park, fetch = self.credentials.park_token, self.credentials.fetch_token
         if not (park or fetch):
             return None
         return TokenAuthInterceptor(park, fetch, on_suppressed=self.metrics.count_suppressed)
@@ -211,7 +211,7 @@ class ProducerServer:
                 extra={"kv": {"listen": c.listen}},
             )
         if c.tls_enabled:
-            port = server.add_secure_port(c.listen, _server_credentials(c))
+            port = server.add_secure_port(c.listen, _server_credentials(self.credentials))
         else:
             port = server.add_insecure_port(c.listen)
         if port == 0:
@@ -221,10 +221,7 @@ class ProducerServer:
     @property
     def target(self) -> str:
         """Address a client on this host dials."""
-        host = self.config.listen.rpartition(":")[0].strip("[]")
-        if host in ("", "0.0.0.0", "::"):
-            host = "127.0.0.1"
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return str(self.config.listen_address.dialable(self.port))
 
     def server_info(self) -> pb.ServerInfo:
         c = self.config
@@ -265,12 +262,7 @@ class ProducerServer:
                 # again and the pool would fill): say so loudly and try again next interval.
                 log.exception("reaper pass failed")
             nxt = self.lot.next_deadline()
-            delay = interval if nxt is None else min(interval, max(0.0, nxt - clock()))
-            self._reap_now.clear()
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the shutdown's cancel.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._reap_now.wait()
+            await asyncio.sleep(interval if nxt is None else min(interval, max(0.0, nxt - clock())))
 
     def _data_activity(self) -> tuple[int, ...]:
         """Changes whenever chunks are parked, delivered, released, evicted or reaped, or a
@@ -286,10 +278,6 @@ class ProducerServer:
             lot.reaped_total,
             self.pool.statistics().reservations_open,
         )
-
-    def reap_soon(self) -> None:
-        """Runs a reaper pass now (after a fake clock moved, in tests)."""
-        self._reap_now.set()
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """Spec §3 shutdown: NOT_SERVING, refuse Parks, drain bound Fetches, fail the rest."""
@@ -315,9 +303,9 @@ class ProducerServer:
         self._stopped.set()
 
 
-async def serve(config: ProducerConfig) -> int:
+async def serve(config: ProducerConfig, credentials: Credentials) -> int:
     """Runs a producer until SIGTERM or SIGINT, shuts it down gracefully, returns 0."""
-    server = ProducerServer(config)
+    server = ProducerServer(config, credentials=credentials)
     await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

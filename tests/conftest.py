@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvpark.address import Address
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 from kvpark.producer.config import ProducerConfig
@@ -189,8 +190,7 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
     )
-    host, _, listen_port = str(settings["listen"]).rpartition(":")
-    target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{listen_port}"
+    target = str(Address.parse(str(settings["listen"])).dialable())
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:
         # One readiness future, cancelled before the channel closes: a future left polling a
@@ -210,8 +210,8 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
                         raise
         finally:
             ready.cancel()
-    metrics = str(settings["metrics_listen"]).rpartition(":")[2]
-    return ProducerProcess(proc, target, int(metrics) if metrics else 0)
+    metrics = str(settings["metrics_listen"])
+    return ProducerProcess(proc, target, Address.parse(metrics).port if metrics else 0)
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvpark.producer.config import CONFIG_ENV_VAR, KEYS
+from kvpark.producer.config import KEYS
+from kvpark.producer.config_sources import CONFIG_ENV_VAR
 
 from .stack import DEMO_FILE, ROOT, TEST_FILE, TLS_FILE
 

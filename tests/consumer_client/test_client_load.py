@@ -167,7 +167,6 @@ async def test_late_fetch_after_reap_answers_reaped_at_once_without_cancel(flavo
         async with stub_for(server) as stub:
             await park(stub, "late", payload(3, 1000), total=3)
             clock.advance(6)
-            server.reap_soon()
             await wait_until(
                 lambda: _is_reaped(stub, "late"),
                 what="the id to be tombstoned REAPED",

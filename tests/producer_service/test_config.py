@@ -13,15 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpark.producer.config import (
-    CONFIG_ENV_VAR,
-    KEYS,
-    MAX_SECONDS,
-    ConfigError,
-    ProducerConfig,
-    build_arg_parser,
-    load_config,
-)
+from kvpark.address import Address
+from kvpark.producer.config import KEYS, ProducerConfig
+from kvpark.producer.config_sources import CONFIG_ENV_VAR, build_arg_parser, load_config
+from kvpark.producer.config_values import MAX_SECONDS, ConfigError
+from kvpark.producer.credentials import load_credentials
 
 SECONDS_KEYS = [name for name, spec in KEYS.items() if spec.metavar == "SECONDS"]
 
@@ -52,10 +48,11 @@ def test_defaults_are_valid_and_match_the_spec() -> None:
     assert (cfg.max_tombstones, cfg.reap_interval_s, cfg.shutdown_grace_s) == (1_000_000, 0.25, 10)
     assert (cfg.log_level, cfg.log_format) == ("info", "text")
     assert cfg.tls_cert_file is cfg.tls_key_file is cfg.tls_client_ca_file is None
-    assert cfg.resolved_park_token() is None and cfg.resolved_fetch_token() is None
+    credentials = load_credentials(cfg)
+    assert credentials.park_token is None and credentials.fetch_token is None
     assert cfg.allow_insecure is False
     assert not cfg.is_insecure_exposed and cfg.listen_is_loopback and not cfg.tls_enabled
-    assert cfg.metrics_address == ("127.0.0.1", 9400)
+    assert cfg.metrics_address == Address("127.0.0.1", 9400)
 
 
 def test_config_is_frozen_and_replace_revalidates() -> None:
@@ -310,7 +307,9 @@ def test_addresses_rejected(key: str, address: object) -> None:
 
 def test_metrics_listen_empty_disables_and_must_not_clash_with_listen() -> None:
     assert ProducerConfig.from_mapping({"metrics_listen": ""}).metrics_address is None
-    assert ProducerConfig.from_mapping({"metrics_listen": "[::1]:9"}).metrics_address == ("::1", 9)
+    assert ProducerConfig.from_mapping({"metrics_listen": "[::1]:9"}).metrics_address == Address(
+        "::1", 9
+    )
     with pytest.raises(ConfigError, match=r"^metrics_listen \('0.0.0.0:50051'\) must not use"):
         ProducerConfig.from_mapping({"metrics_listen": "0.0.0.0:50051"})
     # Port 0 means "any free port" for both, so the two never clash.
@@ -454,20 +453,25 @@ def test_cross_field_error_names_the_sources(tmp_path: Path) -> None:
 def test_tokens_inline_and_from_files(tmp_path: Path) -> None:
     park_file = secret_file(tmp_path, "park", "p-secret\n")
     cfg = ProducerConfig.from_mapping({"park_token_file": park_file, "fetch_token": "f-secret"})
-    assert cfg.resolved_park_token() == "p-secret"
-    assert cfg.resolved_fetch_token() == "f-secret"
+    credentials = load_credentials(cfg)
+    assert (credentials.park_token, credentials.fetch_token) == ("p-secret", "f-secret")
     assert cfg.auth_enabled
     env = {"KVPARK_FETCH_TOKEN_FILE": secret_file(tmp_path, "fetch", "f2\r\n")}
-    assert load_config(["--park-token", "p2"], env).resolved_fetch_token() == "f2"
+    assert load_credentials(load_config(["--park-token", "p2"], env)).fetch_token == "f2"
+    assert "p-secret" not in repr(credentials)
 
 
-def test_token_files_are_read_at_construction_and_on_replace(tmp_path: Path) -> None:
+def test_validation_does_no_io_and_the_load_step_reads_the_files(tmp_path: Path) -> None:
+    """A config names files without reading them (building one never touches the disk); the
+    load step reads them when called, so a rotated token file is read afresh."""
     path = tmp_path / "park"
+    cfg = ProducerConfig.from_mapping({"park_token_file": str(path)})  # not there yet: fine
+    with pytest.raises(ConfigError, match=r"^park_token_file: not an existing file"):
+        load_credentials(cfg)
     path.write_text("first")
-    cfg = ProducerConfig.from_mapping({"park_token_file": str(path)})
+    assert load_credentials(cfg).park_token == "first"
     path.write_text("second")
-    assert cfg.resolved_park_token() == "first"
-    assert cfg.replace(log_level="debug").resolved_park_token() == "second"
+    assert load_credentials(cfg.replace(log_level="debug")).park_token == "second"
 
 
 def test_tokens_never_shown(tmp_path: Path) -> None:
@@ -508,7 +512,7 @@ def test_token_and_token_file_are_exclusive(tmp_path: Path, role: str) -> None:
 def test_bad_token_files(tmp_path: Path, content: str, pattern: str) -> None:
     path = secret_file(tmp_path, "park", content)
     with pytest.raises(ConfigError, match=pattern):
-        ProducerConfig.from_mapping({"park_token_file": path})
+        load_credentials(ProducerConfig.from_mapping({"park_token_file": path}))
 
 
 def test_missing_token_file_and_empty_token(tmp_path: Path) -> None:
@@ -516,21 +520,22 @@ def test_missing_token_file_and_empty_token(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=rf"^park_token_file: not an existing file: {re.escape(repr(missing))}"
     ):
-        load_config([], {"KVPARK_PARK_TOKEN_FILE": missing})
+        load_credentials(load_config([], {"KVPARK_PARK_TOKEN_FILE": missing}))
     with pytest.raises(ConfigError, match=r"^park_token: expected a non-empty token"):
         load_config(["--park-token="], {})
 
 
 def test_park_and_fetch_tokens_must_differ() -> None:
     with pytest.raises(ConfigError, match=r"^park_token and fetch_token must differ"):
-        ProducerConfig.from_mapping({"park_token": "same", "fetch_token": "same"})
+        load_credentials(ProducerConfig.from_mapping({"park_token": "same", "fetch_token": "same"}))
 
 
 # --- TLS ----------------------------------------------------------------------------------
 
 
 def test_tls_pairing(tmp_path: Path) -> None:
-    cert, key, ca = (secret_file(tmp_path, name, "PEM") for name in ("cert", "key", "ca"))
+    pem = "-----BEGIN CERTIFICATE-----\nnot checked here\n-----END CERTIFICATE-----\n"
+    cert, key, ca = (secret_file(tmp_path, name, pem) for name in ("cert", "key", "ca"))
     cfg = ProducerConfig.from_mapping(
         {"tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": ca}
     )
@@ -541,9 +546,16 @@ def test_tls_pairing(tmp_path: Path) -> None:
         ProducerConfig.from_mapping({"tls_key_file": key})
     with pytest.raises(ConfigError, match=r"^tls_client_ca_file \('.*ca'\) requires tls_cert_file"):
         ProducerConfig.from_mapping({"tls_client_ca_file": ca})
+    missing = ProducerConfig.from_mapping(
+        {"tls_cert_file": cert, "tls_key_file": f"{tmp_path}/missing"}
+    )
     with pytest.raises(ConfigError, match=r"^tls_key_file: not an existing file: '.*missing'$"):
-        ProducerConfig.from_mapping({"tls_cert_file": cert, "tls_key_file": f"{tmp_path}/missing"})
-    with pytest.raises(ConfigError, match=r"^tls_cert_file: expected a path to an existing file"):
+        load_credentials(missing)
+    assert load_credentials(cfg).tls_cert == pem.encode()
+    secret_file(tmp_path, "cert", "PEM")
+    with pytest.raises(ConfigError, match=r"^tls_cert_file: .* holds no PEM block$"):
+        load_credentials(cfg)  # a placeholder, not a certificate: one line, the key named
+    with pytest.raises(ConfigError, match=r"^tls_cert_file: expected a path to a file"):
         ProducerConfig.from_mapping({"tls_cert_file": ""})
 
 
@@ -615,7 +627,7 @@ def test_other_tools_variables_are_not_producer_typos() -> None:
     """The `kvpark` CLI and the compose files read KVPARK_ variables of their own: a shell
     holding them still starts a producer, and every one of them is known to the producer."""
     from kvpark.client import cli
-    from kvpark.producer.config import OTHER_TOOLS_ENV_VARS
+    from kvpark.producer.config_sources import OTHER_TOOLS_ENV_VARS
 
     root = Path(cli.__file__).resolve().parents[1]
     sources = [Path(cli.__file__), *root.glob("docker-compose*.yml")]

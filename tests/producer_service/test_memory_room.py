@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpark.producer.config import ConfigError
+from kvpark.producer.config_values import ConfigError
 from kvpark.producer.memory_room import (
     BURST_MARGIN_BYTES,
     MemoryRoom,

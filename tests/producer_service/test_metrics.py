@@ -56,7 +56,6 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
         clock.advance(5)
         await fetch_all(stub, "never-parked", wait_timeout_s=0.01)
         clock.advance(1)
-        server.reap_soon()
         await wait_until(lambda: server.lot.statistics().reaped_total == 1)
         await fetch_all(stub, "doomed")  # late: answered from the tombstone
 
@@ -98,7 +97,6 @@ async def test_repeated_late_fetch_warnings_are_rate_limited_and_counted() -> No
     ):
         await park(stub, "noisy", {0: b"n"}, total=1)
         clock.advance(6)
-        server.reap_soon()
         await wait_until(lambda: server.lot.statistics().reaped_total == 1)
         for _ in range(20):
             await fetch_all(stub, "noisy")

@@ -80,7 +80,6 @@ async def test_reference_scenario_late_fetch_after_reap_answered_at_once() -> No
         async with stub_for(server) as stub:
             await park(stub, "late", chunks_of(2), total=2)
             clock.advance(5.01)
-            server.reap_soon()
             await wait_until(
                 lambda: server.lot.statistics().reaped_total == 1, what="the reaper pass"
             )
@@ -125,13 +124,11 @@ async def test_tombstones_pruned_after_retention_and_at_cap() -> None:
         for i in range(5):
             await park(stub, f"t{i}", chunks_of(1), total=1)
         clock.advance(1.5)
-        server.reap_soon()
         await wait_until(lambda: server.lot.statistics().reaped_total == 5)
         assert server.lot.statistics().tombstones == 3  # the cap drops the oldest
         assert (await state_of(stub, "t0")).state == pb.STATE_UNKNOWN
         assert (await state_of(stub, "t4")).state == pb.STATE_TOMBSTONED
         clock.advance(41)  # past retention, and nothing is parked any more
-        server.reap_soon()
         await wait_until(lambda: server.lot.statistics().tombstones == 0)
         assert (await state_of(stub, "t4")).state == pb.STATE_UNKNOWN
 
@@ -203,7 +200,6 @@ async def test_second_fetch_already_bound_and_cancel_returns_to_parked_with_old_
             clock.advance(11)
             call.cancel()
             await wait_until(lambda: server.lot.bound_count == 0)
-            server.reap_soon()
             await wait_until(lambda: server.lot.statistics().reaped_total == 1)
             assert (await state_of(stub, "c")).reason == pb.REASON_REAPED
 
@@ -223,7 +219,6 @@ async def test_keepalive_extends_past_unbound_timeout_but_never_beyond_max_lease
             reply = await stub.KeepAlive(pb.KeepAliveRequest(kv_request_ids=["k"], extend_s=600))
             assert reply.states[0].lease_remaining_s == pytest.approx(30 - 17)  # capped
             clock.advance(13.01)
-            server.reap_soon()
             await wait_until(lambda: server.lot.statistics().reaped_total == 1)
             assert (await state_of(stub, "k")).reason == pb.REASON_REAPED
 
@@ -333,11 +328,9 @@ async def test_a_failing_reaper_pass_is_logged_and_reaping_goes_on(
             return real_reap()
 
         monkeypatch.setattr(server.lot, "reap", reap_failing_once)
-        server.reap_soon()
         await wait_until(lambda: failed, what="the failing pass")
         await park(stub, "later", {0: b"l"}, total=1)
         clock.advance(6)
-        server.reap_soon()
         await wait_until(lambda: server.lot.statistics().reaped_total == 1, what="a later reap")
         assert "reaper pass failed" in caplog.text
 

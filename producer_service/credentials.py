@@ -1,0 +1,93 @@
+"""The producer's secrets, read from the files its configuration names: the load step.
+
+`ProducerConfig` validates paths without touching the file system; this module reads them once,
+at start-up (`load_credentials`), and turns every unreadable, empty or malformed file into one
+`ConfigError` that names the key, like any other configuration mistake: the CLI prints it on
+one line and exits 2. Token values never appear in a message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ProducerConfig
+from .config_values import ConfigError, show
+
+_PEM_MARKER = b"-----BEGIN "
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class Credentials:
+    """Bearer tokens by role (None: the role is open) and the TLS material in PEM."""
+
+    park_token: str | None = None
+    fetch_token: str | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = field(default=None)
+    tls_client_ca: bytes | None = None
+
+    def __repr__(self) -> str:
+        shown = {
+            "park_token": self.park_token is not None,
+            "fetch_token": self.fetch_token is not None,
+            "tls": self.tls_cert is not None,
+            "mtls": self.tls_client_ca is not None,
+        }
+        return f"Credentials({', '.join(f'{k}={v}' for k, v in shown.items())})"
+
+
+def load_credentials(config: ProducerConfig) -> Credentials:
+    """Reads the token and TLS files `config` names. Raises ConfigError naming the key."""
+    park = config.park_token or _token_file("park_token_file", config.park_token_file)
+    fetch = config.fetch_token or _token_file("fetch_token_file", config.fetch_token_file)
+    if park is not None and park == fetch:
+        # Roles are told apart by the token alone.
+        raise ConfigError(
+            "park_token and fetch_token must differ, or each role could call the other's "
+            "RPCs (values not shown)",
+            keys=("park_token", "fetch_token"),
+        )
+    return Credentials(
+        park_token=park,
+        fetch_token=fetch,
+        tls_cert=_pem_file("tls_cert_file", config.tls_cert_file),
+        tls_key=_pem_file("tls_key_file", config.tls_key_file),
+        tls_client_ca=_pem_file("tls_client_ca_file", config.tls_client_ca_file),
+    )
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: not an existing file: {show(path)}", keys=(key,)) from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"{key}: cannot read {show(path)}: {reason}", keys=(key,)) from None
+
+
+def _token_file(key: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = _read(key, path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {show(path)} is not UTF-8 text", keys=(key,)) from None
+    token = text.rstrip("\r\n")  # files written by `echo` or editors end with a newline
+    if not token:
+        raise ConfigError(f"{key}: token file {show(path)} is empty", keys=(key,))
+    if any(ch.isspace() for ch in token):
+        raise ConfigError(f"{key}: the token in {show(path)} contains whitespace", keys=(key,))
+    return token
+
+
+def _pem_file(key: str, path: str | None) -> bytes | None:
+    """A PEM file's bytes; a file that holds no PEM block is refused here, with the key named,
+    rather than by grpc at bind time with a traceback."""
+    if path is None:
+        return None
+    data = _read(key, path)
+    if _PEM_MARKER not in data:
+        raise ConfigError(f"{key}: {show(path)} holds no PEM block", keys=(key,))
+    return data
