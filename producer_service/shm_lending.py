@@ -1,0 +1,557 @@
+"""The producer's shm socket: same-host clients lend it buffers of their own (sealed memfds,
+passed with SCM_RIGHTS), which it maps and copies between and its pool, one copy per byte and
+nothing of the producer's ever mapped by a client. Who may connect is the socket file's mode
+(0660: operators give the prefill and decode workers the producer's group); what a connection
+may lend for is the role token, checked by the `authorize` callback exactly as gRPC checks it.
+Each buffer is checked before it is mapped (a memfd sealed against shrinking and growing, so
+the mapping cannot fault; fully allocated, so the producer's cgroup does not pay for the
+client's pages; not larger than max_lend_bytes), lives as long as the client's connection or
+until it releases it, and is looked up by its unguessable lend id from the gRPC handlers
+(`get`). One thread serves every connection with a selector: lends are rare and each request
+is a few syscalls. The message format is kvpark.shm's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpark.shm import (
+    LENGTH,
+    MAX_MESSAGE_BYTES,
+    PARK_ROLE,
+    PROTOCOL_VERSION,
+    REQUIRED_SEALS,
+    ROLES,
+    decode_message,
+    encode_message,
+)
+
+from .logs import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+
+DEFAULT_MAX_LEND_BYTES = 64 * 1024**3
+DEFAULT_MAX_CONNECTIONS = 256
+SOCKET_MODE = 0o660
+# A lend carries one descriptor; room for a few more so that extras are received (and closed)
+# rather than silently dropped by the kernel with MSG_CTRUNC.
+_MAX_FDS_PER_READ = 4
+_PAUSE_AFTER_ACCEPT_ERROR_S = 0.05
+
+
+class LendGone(Exception):
+    """The lend ended (released, its client disconnected, or the server stopped)."""
+
+
+class LentBuffer:
+    """One buffer a client lent: the producer's MAP_SHARED mapping of the client's memfd.
+
+    Park lends are mapped read-only (the producer only reads chunks from them), Fetch lends
+    read-write. Code that copies from or into `view` holds `acquire()` for the whole copy:
+    when the lend ends meanwhile, the mapping stays until the last holder lets go, then it is
+    unmapped; a lend that ended cannot be acquired again (LendGone). Memory safety does not
+    depend on that discipline: a mapping that some memoryview or array still references when
+    the lend ends cannot be closed, so it is left for the last reference to unmap.
+    """
+
+    def __init__(self, lend_id: str, role: str, mapping: mmap.mmap) -> None:
+        self.lend_id = lend_id
+        self.role = role
+        self.nbytes = len(mapping)
+        self._lock = threading.Lock()
+        self._mmap: mmap.mmap | None = mapping
+        self._view: memoryview | None = memoryview(mapping)
+        self._holds = 0
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """The lend ended: no new acquire; the mapping may still be held."""
+        return self._closed
+
+    @property
+    def mapped(self) -> bool:
+        return self._mmap is not None
+
+    @property
+    def view(self) -> memoryview:
+        """The whole buffer (read-only for a Park lend). Use it under `acquire()`."""
+        view = self._view
+        if view is None:
+            raise LendGone(f"lend {self.lend_id} ended and was unmapped")
+        return view
+
+    @contextlib.contextmanager
+    def acquire(self) -> Iterator[memoryview]:
+        """Keeps the mapping while the block runs, even if the lend ends meanwhile; yields
+        `view`. Raises LendGone when the lend has already ended."""
+        with self._lock:
+            view = self._view
+            if self._closed or view is None:
+                raise LendGone(f"lend {self.lend_id} ended")
+            self._holds += 1
+        try:
+            yield view
+        finally:
+            with self._lock:
+                self._holds -= 1
+                unmap = self._closed and self._holds == 0
+            if unmap:
+                self._unmap()
+
+    def end(self) -> None:
+        """Ends the lend: unmaps now, or when the last `acquire()` block exits. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            unmap = self._holds == 0
+        if unmap:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            view, mapping = self._view, self._mmap
+            self._view = None
+            self._mmap = None
+        if view is None or mapping is None:
+            return
+        try:
+            view.release()
+            mapping.close()
+        except BufferError:
+            # A slice or array of the view outlived acquire(): closing now would pull memory
+            # from under it, so the mapping goes when the last of them is collected.
+            pass
+
+    def __repr__(self) -> str:
+        state = "ended" if self._closed else "lent"
+        return f"LentBuffer({self.lend_id[:8]}…, {self.role}, {self.nbytes} bytes, {state})"
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    greeted: bool = False
+    inbox: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)  # received with the message being read
+    lends: dict[str, LentBuffer] = field(default_factory=dict)
+    deadline: float | None = None  # the current message (or the hello) must be complete by
+
+
+_LISTENER = "listener"
+_WAKE = "wake"
+
+
+class ShmLendingServer:
+    """Serves `path`; `authorize(token, role)` returns None to allow a lend for `role`, else
+    the refusal to answer; it runs on the serving thread, so it must be thread-safe and quick.
+    `get` is safe from any thread.
+
+    Bounds: max_connections open at once (more are answered with a refusal and closed),
+    max_lends_per_connection, max_lend_bytes per buffer, and message_timeout_s for a started
+    message (and for the hello after connecting) to arrive whole. Each lend holds one
+    descriptor (the mapping's own) besides the connection's.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        epoch: int,
+        authorize: Callable[[str | None, str], str | None],
+        max_lends_per_connection: int = 64,
+        max_lend_bytes: int = DEFAULT_MAX_LEND_BYTES,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        message_timeout_s: float = 5.0,
+    ) -> None:
+        if max_lends_per_connection < 1 or max_lend_bytes < 1 or max_connections < 1:
+            raise ValueError("limits must be >= 1")
+        self.path = path
+        self.epoch = epoch
+        self._authorize = authorize
+        self._max_lends = max_lends_per_connection
+        self._max_lend_bytes = max_lend_bytes
+        self._max_connections = max_connections
+        self._message_timeout_s = message_timeout_s
+        self._lock = threading.Lock()  # guards _lends: the gRPC handlers read it
+        self._lends: dict[str, LentBuffer] = {}
+        self._conns: dict[socket.socket, _Connection] = {}  # the serving thread's alone
+        self._selector: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._socket_identity: tuple[int, int] | None = None
+        self._stopping = False
+        self._stopped = False
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Creates the socket file (mode 0660, its directory if missing) and starts serving.
+        A stale socket file (nobody listening) is replaced; anything else at the path is an
+        error, never removed."""
+        if self._thread is not None or self._stopped:
+            raise RuntimeError("ShmLendingServer.start() may be called once")
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, mode=0o750, exist_ok=True)  # group members must reach the socket
+        self._clear_stale_socket()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        bound = False
+        try:
+            listener.bind(self.path)
+            bound = True
+            # Before listen(): until then every connect is refused, so no client ever gets
+            # in under the umask's wider mode.
+            os.chmod(self.path, SOCKET_MODE)
+            st = os.stat(self.path)
+            self._socket_identity = (st.st_dev, st.st_ino)
+            listener.listen(64)
+            listener.setblocking(False)
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(listener, selectors.EVENT_READ, _LISTENER)
+            self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        except BaseException:
+            listener.close()
+            if bound:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            self._close_wake()
+            raise
+        self._listener = listener
+        self._thread = threading.Thread(target=self._serve, name="kvpark-shm-lending", daemon=True)
+        self._thread.start()
+        log.info("shm lending socket at %s", self.path)
+
+    def stop(self) -> None:
+        """Closes every connection, ends every lend, removes the socket file. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stopping = True
+        thread = self._thread
+        if thread is not None:
+            if self._wake_w is not None:
+                with contextlib.suppress(OSError):
+                    self._wake_w.send(b"x")
+            thread.join(timeout=10)
+        self._close_all()
+        if self._socket_identity is not None:
+            # Only the file this server made: a successor may already have replaced it.
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._socket_identity:
+                    os.unlink(self.path)
+        self._close_wake()
+
+    def get(self, lend_id: str, role: str) -> LentBuffer | None:
+        """The live buffer lent under `lend_id` for `role`; None for an unknown or ended lend,
+        or one lent for the other role."""
+        with self._lock:
+            lent = self._lends.get(lend_id)
+        if lent is None or lent.role != role or lent.closed:
+            return None
+        return lent
+
+    @property
+    def lend_count(self) -> int:
+        with self._lock:
+            return len(self._lends)
+
+    def _clear_stale_socket(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(
+                errno.EEXIST, "exists and is not a socket; refusing to replace it", self.path
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+        except ConnectionRefusedError:
+            # Left by a process that is gone; a live server would have accepted.
+            os.unlink(self.path)
+            return
+        except OSError as exc:
+            raise OSError(
+                errno.EADDRINUSE, f"cannot tell whether the socket is in use ({exc})", self.path
+            ) from None
+        finally:
+            probe.close()
+        raise OSError(errno.EADDRINUSE, "another process serves this socket", self.path)
+
+    def _close_wake(self) -> None:
+        for sock in (self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self._wake_r = self._wake_w = None
+
+    # --- serving thread -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        selector, wake = self._selector, self._wake_r
+        assert selector is not None and wake is not None
+        try:
+            while not self._stopping:
+                for key, _ in selector.select(self._select_timeout()):
+                    if key.data == _LISTENER:
+                        self._accept()
+                    elif key.data == _WAKE:
+                        with contextlib.suppress(OSError):
+                            wake.recv(64)
+                    elif isinstance(key.data, _Connection) and key.data.sock in self._conns:
+                        self._on_readable(key.data)
+                self._expire_slow_messages()
+        except Exception:
+            log.exception("shm lending server failed; every lend ends")
+        finally:
+            self._close_all()
+
+    def _select_timeout(self) -> float | None:
+        deadlines = [c.deadline for c in self._conns.values() if c.deadline is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _expire_slow_messages(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            if conn.deadline is not None and now >= conn.deadline:
+                self._protocol_error(conn, f"message incomplete after {self._message_timeout_s}s")
+
+    def _accept(self) -> None:
+        listener, selector = self._listener, self._selector
+        assert listener is not None and selector is not None
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                # Out of descriptors, most likely: the listener stays readable, so pause
+                # rather than spin; the connection waits in the backlog.
+                log.warning("shm socket accept failed: %s", exc)
+                time.sleep(_PAUSE_AFTER_ACCEPT_ERROR_S)
+                return
+            if len(self._conns) >= self._max_connections:
+                with contextlib.suppress(OSError):
+                    sock.setblocking(False)
+                    sock.send(encode_message(_refusal("too many connections to the shm socket")))
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Connection(sock, deadline=time.monotonic() + self._message_timeout_s)
+            self._conns[sock] = conn
+            selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _on_readable(self, conn: _Connection) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(
+                conn.sock,
+                LENGTH.size + MAX_MESSAGE_BYTES,
+                _MAX_FDS_PER_READ,
+                socket.MSG_CMSG_CLOEXEC,
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        conn.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self._protocol_error(conn, "more descriptors than a lend carries")
+            return
+        if not data:
+            self._drop(conn)  # the client closed: its lends end
+            return
+        conn.inbox += data
+        if conn.deadline is None:
+            conn.deadline = time.monotonic() + self._message_timeout_s
+        if len(conn.inbox) < LENGTH.size:
+            return
+        (size,) = LENGTH.unpack_from(conn.inbox)
+        if not 0 < size <= MAX_MESSAGE_BYTES:
+            self._protocol_error(conn, f"message length {size} out of range")
+            return
+        if len(conn.inbox) < LENGTH.size + size:
+            return
+        if len(conn.inbox) > LENGTH.size + size:
+            self._protocol_error(conn, "a request sent before the answer to the previous one")
+            return
+        payload = bytes(conn.inbox[LENGTH.size :])
+        conn.inbox.clear()
+        conn.deadline = None
+        fds, conn.fds = conn.fds, []
+        try:
+            self._handle(conn, payload, fds)
+        finally:
+            _close_fds(fds)  # mapped or refused: a mapping holds its own reference
+
+    def _handle(self, conn: _Connection, payload: bytes, fds: list[int]) -> None:
+        try:
+            message = decode_message(payload)
+        except ValueError as exc:
+            self._protocol_error(conn, str(exc))
+            return
+        op = message.get("op")
+        if fds and op != "lend":
+            self._protocol_error(conn, f"a descriptor on a {op!r} message")
+            return
+        if not conn.greeted:
+            if op != "hello":
+                self._protocol_error(conn, "the first message must be hello")
+            elif message.get("version") != PROTOCOL_VERSION:
+                self._protocol_error(
+                    conn, f"protocol version {message.get('version')!r} (this producer: 1)"
+                )
+            else:
+                conn.greeted = True
+                self._answer(conn, {"ok": True, "version": PROTOCOL_VERSION, "epoch": self.epoch})
+            return
+        if op == "lend":
+            self._answer(conn, self._lend(conn, message, fds))
+        elif op == "release":
+            self._answer(conn, self._release(conn, message))
+        else:
+            self._protocol_error(conn, f"unknown op {op!r}")
+
+    def _lend(self, conn: _Connection, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        role, token = message.get("role"), message.get("token")
+        if role not in ROLES:
+            return _refusal(f"role must be one of {ROLES}")
+        if token is not None and not isinstance(token, str):
+            return _refusal("token must be a string or null")
+        if len(fds) != 1:
+            return _refusal(f"a lend carries exactly one descriptor, this one {len(fds)}")
+        try:
+            refused = self._authorize(token, role)
+        except Exception:
+            log.exception("shm lend authorization failed")
+            refused = "the producer could not check the token"
+        if refused is not None:
+            return _refusal(refused)
+        if len(conn.lends) >= self._max_lends:
+            return _refusal(f"this connection already holds {self._max_lends} lends, the most")
+        mapped = self._map(fds[0], role)
+        if isinstance(mapped, str):
+            return _refusal(mapped)
+        lent = LentBuffer(secrets.token_hex(16), role, mapped)
+        conn.lends[lent.lend_id] = lent
+        with self._lock:
+            self._lends[lent.lend_id] = lent
+        return {"ok": True, "lend_id": lent.lend_id, "nbytes": lent.nbytes}
+
+    def _map(self, fd: int, role: str) -> mmap.mmap | str:
+        """The producer's mapping of a lent descriptor, or why it is refused."""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "the descriptor is not a memfd"
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                return "the descriptor is not a memfd (it cannot be sealed)"
+            if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+                return "the memfd is not sealed against shrinking and growing"
+            st = os.fstat(fd)  # after the seals were seen: the size can no longer change
+            if st.st_size <= 0:
+                return "the memfd is empty"
+            if st.st_size > self._max_lend_bytes:
+                return f"{st.st_size} bytes is more than max_lend_bytes {self._max_lend_bytes}"
+            # Pages the client never allocated would be allocated by the producer's first
+            # touch and charged to the producer's cgroup for as long as the client keeps them.
+            if st.st_blocks * 512 < st.st_size:
+                return "the memfd is not fully allocated (posix_fallocate it before lending)"
+            prot = mmap.PROT_READ if role == PARK_ROLE else mmap.PROT_READ | mmap.PROT_WRITE
+            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
+        except OSError as exc:
+            return f"cannot map the buffer: {exc.strerror or exc}"
+
+    def _release(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        lend_id = message.get("lend_id")
+        if not isinstance(lend_id, str):
+            return _refusal("lend_id must be a string")
+        lent = conn.lends.pop(lend_id, None)  # only the lending connection may end a lend
+        if lent is not None:
+            self._forget(lent)
+        return {"ok": True, "released": lent is not None}
+
+    def _forget(self, lent: LentBuffer) -> None:
+        with self._lock:
+            self._lends.pop(lent.lend_id, None)
+        lent.end()
+
+    def _answer(self, conn: _Connection, answer: dict[str, Any]) -> None:
+        frame = encode_message(answer)
+        try:
+            # Strict request/answer keeps at most one small answer in flight, so the socket
+            # buffer always has room; not sending it whole means the client is broken.
+            sent = conn.sock.send(frame)
+        except OSError:
+            sent = 0
+        if sent != len(frame):
+            self._drop(conn)
+
+    def _protocol_error(self, conn: _Connection, reason: str) -> None:
+        log.debug("shm socket: closing a connection: %s", reason)
+        with contextlib.suppress(OSError):
+            conn.sock.send(encode_message(_refusal(f"protocol error: {reason}")))
+        self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        if self._selector is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+        conn.sock.close()
+        _close_fds(conn.fds)
+        conn.fds = []
+        for lent in conn.lends.values():
+            self._forget(lent)
+        conn.lends.clear()
+
+    def _close_all(self) -> None:
+        """Ends everything; from the serving thread's exit and from stop(), whichever first."""
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        with self._lock:
+            leftover = list(self._lends.values())
+            self._lends.clear()
+        for lent in leftover:
+            lent.end()
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _refusal(error: str) -> dict[str, Any]:
+    return {"ok": False, "error": error}
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

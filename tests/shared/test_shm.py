@@ -1,0 +1,595 @@
+"""The shared-memory lending path end to end with real memfds and a real Unix socket: a client
+lends a sealed buffer, the producer maps the same pages (what one side writes the other reads,
+no copy), unsuitable descriptors and wrong tokens are refused, a lend ends with its connection
+(its unmap waiting for a producer copy in progress), and the socket file is created, guarded,
+replaced and removed as promised. Ends with a copy-throughput print (no timing assertions).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import gc
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import wait_for
+
+from kvpark.producer.shm_lending import LendGone, LentBuffer, ShmLendingServer
+from kvpark.shm import (
+    LENGTH,
+    SharedBuffer,
+    ShmLender,
+    ShmRefused,
+    ShmUnavailable,
+    decode_message,
+    encode_message,
+    find_shared,
+)
+
+MiB = 1024 * 1024
+TOKENS = {"park": "park-secret", "fetch": "fetch-secret"}
+EPOCH = 1234567890123
+
+
+def authorize_with(tokens: dict[str, str]) -> Callable[[str | None, str], str | None]:
+    """The producer's rule: a role without a token is open; otherwise its own token only."""
+
+    def authorize(token: str | None, role: str) -> str | None:
+        expected = tokens.get(role)
+        if expected is None or token == expected:
+            return None
+        if token is not None and token in tokens.values():
+            return f"that token is not the {role} role's"
+        return "missing or unknown token"
+
+    return authorize
+
+
+@pytest.fixture
+def sock_dir(tmp_path: Path) -> Iterator[Path]:
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    if len(str(tmp_path)) < 60:
+        yield tmp_path
+        return
+    short = Path(tempfile.mkdtemp(prefix="kvshm", dir="/tmp" if os.path.isdir("/tmp") else None))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server(sock_dir: Path) -> Iterator[Callable[..., ShmLendingServer]]:
+    servers: list[ShmLendingServer] = []
+
+    def start(
+        name: str = "shm.sock", tokens: dict[str, str] | None = None, **kwargs: Any
+    ) -> ShmLendingServer:
+        server = ShmLendingServer(
+            str(sock_dir / name),
+            EPOCH,
+            authorize_with(TOKENS if tokens is None else tokens),
+            **kwargs,
+        )
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(start_server: Callable[..., ShmLendingServer]) -> ShmLendingServer:
+    return start_server()
+
+
+@pytest.fixture
+def lenders() -> Iterator[Callable[..., ShmLender]]:
+    made: list[ShmLender] = []
+
+    def connect(server: ShmLendingServer, role: str | None = "fetch", **kwargs: Any) -> ShmLender:
+        token = kwargs.pop("token", TOKENS.get(role) if role else None)
+        lender = ShmLender(server.path, token, kwargs.pop("timeout_s", 5.0))
+        lender.connect()
+        made.append(lender)
+        return lender
+
+    yield connect
+    for lender in made:
+        lender.close()
+
+
+def open_fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def raw_connection(path: str) -> socket.socket:
+    """A client that speaks the wire format by hand, to send what ShmLender never would."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    assert raw_request(sock, {"op": "hello", "version": 1})["epoch"] == EPOCH
+    return sock
+
+
+def raw_request(
+    sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    frame = encode_message(message)
+    if fds:
+        assert socket.send_fds(sock, [frame], list(fds)) == len(frame)
+    else:
+        sock.sendall(frame)
+    return read_answer(sock)
+
+
+def read_answer(sock: socket.socket) -> dict[str, Any]:
+    header = sock.recv(LENGTH.size, socket.MSG_WAITALL)
+    if not header:
+        return {"closed": True}
+    (size,) = LENGTH.unpack(header)
+    return decode_message(sock.recv(size, socket.MSG_WAITALL))
+
+
+def is_closed(sock: socket.socket) -> bool:
+    return sock.recv(1) == b""
+
+
+def memfd(nbytes: int, seals: int, allocate: bool = True) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if allocate:
+        os.posix_fallocate(fd, 0, nbytes)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+# --- one memory, both sides ---------------------------------------------------------------------
+
+
+def test_a_fetch_lend_is_the_clients_memory(server: ShmLendingServer, lenders: Any) -> None:
+    lender = lenders(server, "fetch")
+    with SharedBuffer(8 * MiB) as buffer:
+        lend_id = lender.lend(buffer, "fetch")
+        assert len(lend_id) == 32 and int(lend_id, 16) >= 0
+        lent = server.get(lend_id, "fetch")
+        assert lent is not None and lent.nbytes == 8 * MiB and not lent.closed
+        assert server.get(lend_id, "park") is None, "a fetch lend is not usable for Park"
+        assert server.get("0" * 32, "fetch") is None
+
+        pattern = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8)
+        with lent.acquire() as view:
+            assert not view.readonly
+            np.frombuffer(view, np.uint8)[MiB : 5 * MiB] = pattern  # the producer writes...
+        assert np.array_equal(buffer.array[MiB : 5 * MiB], pattern)  # ...the client reads
+
+        buffer.array[:16] = 7  # and the other way round, on the same pages
+        with lent.acquire() as view:
+            assert bytes(view[:16]) == b"\x07" * 16
+
+
+def test_a_park_lend_is_read_only_for_the_producer(server: ShmLendingServer, lenders: Any) -> None:
+    lender = lenders(server, "park")
+    with SharedBuffer(MiB) as buffer:
+        buffer.array[:] = np.arange(MiB, dtype=np.uint64).astype(np.uint8)
+        lend_id = lender.lend(buffer, "park")
+        lent = server.get(lend_id, "park")
+        assert lent is not None and server.get(lend_id, "fetch") is None
+        with lent.acquire() as view:
+            assert view.readonly
+            assert np.array_equal(np.frombuffer(view, np.uint8), buffer.array)
+            buffer.array[-1] = 99  # written after the lend: seen at once, nothing was copied
+            assert view[-1] == 99
+
+
+def test_many_threads_share_one_lender(server: ShmLendingServer, lenders: Any) -> None:
+    lender = lenders(server, "fetch")
+    ids: list[str] = []
+    with SharedBuffer(64 * 1024) as buffer:
+
+        def work() -> None:
+            for _ in range(20):
+                lend_id = lender.lend(buffer, "fetch")
+                ids.append(lend_id)
+                assert lender.release(lend_id) is True
+
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(set(ids)) == 160
+    assert server.lend_count == 0
+
+
+# --- find_shared --------------------------------------------------------------------------------
+
+
+def test_find_shared_locates_views_and_slices() -> None:
+    with SharedBuffer(64 * 1024) as a, SharedBuffer(64 * 1024) as b:
+        assert find_shared(a.array) == (a, 0, 64 * 1024)
+        assert find_shared(a.array[4096:8192]) == (a, 4096, 4096)
+        assert find_shared(b.array[4096:8192]) == (b, 4096, 4096)
+        as_floats = a.array[128:1152].view(np.float32).reshape(16, 16)
+        assert find_shared(as_floats) == (a, 128, 1024)
+        assert find_shared(as_floats[4:8]) == (a, 128 + 4 * 64, 4 * 64)
+        assert find_shared(memoryview(a.array)[10:20]) == (a, 10, 10)
+        assert find_shared(memoryview(b.array).cast("I")[2:4]) == (b, 8, 8)
+
+        assert find_shared(a.array[::2]) is None, "strided: not one byte range"
+        assert find_shared(as_floats[:, :4]) is None, "a column block is not contiguous"
+        assert find_shared(a.array[10:10]) is None, "empty"
+        assert find_shared(a.array[:100].copy()) is None
+        assert find_shared(np.zeros(100, np.uint8)) is None
+        assert find_shared(b"not shared") is None
+        assert find_shared(object()) is None
+
+        kept = a.array[:100]
+    assert find_shared(kept) is None, "a closed buffer is no longer shared"
+    kept[:] = 1  # still mapped: the mapping went with the buffer's last array, not before
+
+    dropped = SharedBuffer(4096)
+    fd, survivor = dropped.fd, dropped.array[:16]
+    del dropped
+    gc.collect()
+    assert find_shared(survivor) is None, "a buffer dropped without close() leaves the registry"
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_buffer_is_sealed_allocated_and_closes_idempotently() -> None:
+    buffer = SharedBuffer(3 * MiB)
+    seals = fcntl.fcntl(buffer.fd, fcntl.F_GET_SEALS)
+    assert seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) == (
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    )
+    with pytest.raises(PermissionError):
+        os.ftruncate(buffer.fd, MiB)
+    assert os.fstat(buffer.fd).st_blocks * 512 >= 3 * MiB
+    assert buffer.array.flags.writeable and buffer.array.dtype == np.uint8
+    fd = buffer.fd
+    buffer.close()
+    buffer.close()
+    assert buffer.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the descriptor went with close()
+    with pytest.raises(ValueError):
+        _ = buffer.array
+    with pytest.raises(ValueError):
+        SharedBuffer(0)
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def test_unsuitable_descriptors_are_refused_and_closed(
+    server: ShmLendingServer, sock_dir: Path
+) -> None:
+    sock = raw_connection(server.path)
+    before = open_fd_count()
+    both = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    plain = sock_dir / "plain"
+    plain.write_bytes(bytes(MiB))
+    pipe_read, pipe_write = os.pipe()
+    os.close(pipe_write)
+    cases = {
+        "not sealed": memfd(MiB, 0),
+        "shrink only": memfd(MiB, fcntl.F_SEAL_SHRINK),
+        "not allocated": memfd(MiB, both, allocate=False),
+        "empty": memfd(0, both, allocate=False),
+        "regular file": os.open(plain, os.O_RDWR | os.O_CLOEXEC),
+        "pipe": pipe_read,
+    }
+    expected = {
+        "not sealed": "not sealed",
+        "shrink only": "not sealed",
+        "not allocated": "not fully allocated",
+        "empty": "empty",
+        "regular file": "not a memfd",
+        "pipe": "not a memfd",
+    }
+    for case, fd in cases.items():
+        answer = raw_request(sock, {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]}, (fd,))
+        assert answer["ok"] is False and expected[case] in answer["error"], (case, answer)
+        os.close(fd)
+    answer = raw_request(sock, {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]})
+    assert "exactly one descriptor" in answer["error"]
+    two = (memfd(MiB, both), memfd(MiB, both))
+    answer = raw_request(sock, {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]}, two)
+    assert "exactly one descriptor" in answer["error"]
+    for fd in two:
+        os.close(fd)
+    # Every descriptor the producer received (its own copies) was closed again.
+    assert open_fd_count() == before
+    assert server.lend_count == 0
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    ("role", "token", "why"),
+    [
+        ("park", "wrong", "unknown token"),
+        ("park", None, "unknown token"),
+        ("park", TOKENS["fetch"], "not the park role's"),
+        ("fetch", TOKENS["park"], "not the fetch role's"),
+    ],
+)
+def test_the_roles_token_is_required(
+    server: ShmLendingServer, lenders: Any, role: str, token: str | None, why: str
+) -> None:
+    lender = lenders(server, None, token=token)
+    with SharedBuffer(MiB) as buffer:
+        with pytest.raises(ShmRefused, match=why) as refused:
+            lender.lend(buffer, role)
+        assert why in refused.value.reason
+        assert isinstance(refused.value, ShmUnavailable) and isinstance(refused.value, OSError)
+        # A refusal leaves the connection usable.
+        assert lender.connected and lender.release("0" * 32) is False
+    assert server.lend_count == 0
+
+
+def test_a_role_without_a_token_is_open(start_server: Any, lenders: Any) -> None:
+    server = start_server(tokens={"park": TOKENS["park"]})
+    with SharedBuffer(MiB) as buffer:
+        assert server.get(lenders(server, None).lend(buffer, "fetch"), "fetch") is not None
+        with pytest.raises(ShmRefused):
+            lenders(server, None).lend(buffer, "park")
+
+
+def test_lend_limits(start_server: Any, lenders: Any) -> None:
+    server = start_server(max_lends_per_connection=2, max_lend_bytes=2 * MiB)
+    lender = lenders(server, "fetch")
+    with SharedBuffer(2 * MiB) as fits, SharedBuffer(2 * MiB + 4096) as too_big:
+        with pytest.raises(ShmRefused, match="max_lend_bytes"):
+            lender.lend(too_big, "fetch")
+        first = lender.lend(fits, "fetch")
+        lender.lend(fits, "fetch")
+        with pytest.raises(ShmRefused, match="2 lends"):
+            lender.lend(fits, "fetch")
+        assert lenders(server, "fetch").lend(fits, "fetch"), "the limit is per connection"
+        assert lender.release(first) is True
+        assert lender.release(first) is False
+        assert server.get(first, "fetch") is None
+        lender.lend(fits, "fetch")
+    with pytest.raises(ValueError):
+        lender.lend(fits, "fetch")  # a closed buffer is not sent at all
+    with SharedBuffer(4096) as small, pytest.raises(ValueError):
+        lender.lend(small, "decode")
+
+
+def test_connections_beyond_the_limit_are_refused(start_server: Any, lenders: Any) -> None:
+    server = start_server(max_connections=1)
+    first = lenders(server, "fetch")
+    with pytest.raises(ShmUnavailable, match="too many connections"):
+        lenders(server, "fetch")
+    first.close()
+    wait_for(lambda: _connects(server), what="a slot after the first client left")
+
+
+def _connects(server: ShmLendingServer) -> bool:
+    try:
+        with ShmLender(server.path, None, 5.0) as lender:
+            lender.connect()
+        return True
+    except ShmUnavailable:
+        return False
+
+
+def test_protocol_violations_close_the_connection(server: ShmLendingServer) -> None:
+    both = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    fd = memfd(4096, both)
+    violations: list[tuple[Callable[[socket.socket], object], bool]] = [
+        (lambda s: s.sendall(encode_message({"op": "lend", "role": "fetch"})), False),
+        (lambda s: s.sendall(encode_message({"op": "hello", "version": 99})), False),
+        (lambda s: s.sendall(LENGTH.pack(5) + b"{oops"), True),
+        (lambda s: s.sendall(LENGTH.pack(10**6)), True),
+        (lambda s: s.sendall(encode_message({"op": "hello", "version": 1})), True),
+        (
+            lambda s: socket.send_fds(s, [encode_message({"op": "release", "lend_id": "x"})], [fd]),
+            True,
+        ),
+        (lambda s: s.sendall(encode_message({"op": "dance"})), True),
+        (lambda s: s.sendall(2 * encode_message({"op": "release", "lend_id": "x"})), True),
+    ]
+    for send, after_hello in violations:
+        sock = raw_connection(server.path) if after_hello else socket.socket(socket.AF_UNIX)
+        if not after_hello:
+            sock.settimeout(5)
+            sock.connect(server.path)
+        send(sock)
+        answer = read_answer(sock)
+        assert answer.get("ok") is False and "protocol error" in answer["error"], answer
+        assert is_closed(sock)
+        sock.close()
+    os.close(fd)
+
+
+def test_a_silent_or_half_sent_client_is_cut_off(start_server: Any) -> None:
+    server = start_server(message_timeout_s=0.2)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.settimeout(5)
+    silent.connect(server.path)
+    half = raw_connection(server.path)
+    half.sendall(encode_message({"op": "release", "lend_id": "x"})[:6])
+    for sock in (silent, half):
+        assert "incomplete" in read_answer(sock)["error"]
+        assert is_closed(sock)
+        sock.close()
+
+
+# --- lifetime -----------------------------------------------------------------------------------
+
+
+def test_a_lend_ends_with_its_connection(server: ShmLendingServer, lenders: Any) -> None:
+    lender = lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        kept = lender.lend(buffer, "fetch")
+        idle = server.get(lender.lend(buffer, "fetch"), "fetch")
+        lent = server.get(kept, "fetch")
+        assert lent is not None and idle is not None
+        with lent.acquire() as view:
+            lender.close()  # the client goes away while the producer copies
+            wait_for(lambda: server.lend_count == 0, what="the lends to end")
+            assert lent.closed and lent.mapped, "the unmap waits for the copy"
+            view[:5] = b"still"  # the mapping is intact
+            assert idle.closed and not idle.mapped, "nothing held it: unmapped at once"
+        assert bytes(buffer.array[:5]) == b"still"
+        assert not lent.mapped
+        with pytest.raises(LendGone):
+            lent.acquire().__enter__()
+        with pytest.raises(LendGone):
+            _ = lent.view
+    assert server.lend_count == 0
+
+
+def test_a_view_kept_past_acquire_keeps_the_mapping(server: ShmLendingServer, lenders: Any) -> None:
+    lender = lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        lent = server.get(lender.lend(buffer, "fetch"), "fetch")
+        assert isinstance(lent, LentBuffer)
+        leaked = np.frombuffer(lent.view[:8], np.uint8)  # outside acquire(): not recommended
+        lender.close()
+        wait_for(lambda: lent.closed, what="the lend to end")
+        leaked[:] = 3  # memory-safe all the same: the mapping goes with the last reference
+        assert bytes(buffer.array[:8]) == b"\x03" * 8
+
+
+def test_handshake_answers_the_epoch(server: ShmLendingServer) -> None:
+    with ShmLender(server.path, None, 5.0) as lender:
+        assert lender.epoch is None
+        assert lender.connect() == EPOCH == lender.epoch
+        assert lender.connect() == EPOCH
+
+
+def test_unusable_sockets_fail_fast_and_say_why(sock_dir: Path, server: ShmLendingServer) -> None:
+    started = time.monotonic()
+    with pytest.raises(ShmUnavailable, match="no shm socket"):
+        ShmLender(str(sock_dir / "missing.sock"), None, 5.0).connect()
+    assert time.monotonic() - started < 1.0
+
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(sock_dir / "dead.sock"))
+    dead.close()  # the file stays, nobody listens
+    with pytest.raises(ShmUnavailable, match="refused"):
+        ShmLender(str(sock_dir / "dead.sock"), None, 5.0).connect()
+
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(str(sock_dir / "mute.sock"))
+    mute.listen(1)  # accepts into the backlog, never answers
+    started = time.monotonic()
+    with pytest.raises(ShmUnavailable, match=r"handshake .* timed out"):
+        ShmLender(str(sock_dir / "mute.sock"), None, 0.3).connect()
+    assert time.monotonic() - started < 2.0
+    mute.close()
+
+    lender = ShmLender(server.path, None, 5.0)
+    with SharedBuffer(4096) as buffer, pytest.raises(ShmUnavailable, match="not connected"):
+        lender.lend(buffer, "fetch")
+
+
+def test_stop_ends_everything(start_server: Any, lenders: Any) -> None:
+    server = start_server()
+    lender = lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        lent = server.get(lender.lend(buffer, "fetch"), "fetch")
+        assert lent is not None
+        server.stop()
+        server.stop()
+        assert not os.path.exists(server.path)
+        assert lent.closed and not lent.mapped and server.lend_count == 0
+        with pytest.raises(ShmUnavailable):
+            lender.lend(buffer, "fetch")
+        assert not lender.connected
+
+
+# --- the socket file ------------------------------------------------------------------------------
+
+
+def test_socket_file_mode_and_directory(start_server: Any, sock_dir: Path) -> None:
+    server = start_server(name="sub/dir/shm.sock")
+    mode = os.stat(server.path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o660
+
+
+def test_a_stale_socket_is_replaced(start_server: Any, sock_dir: Path, lenders: Any) -> None:
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock_dir / "shm.sock"))
+    stale.close()
+    server = start_server()
+    assert lenders(server, None).epoch == EPOCH
+
+
+def test_a_live_socket_or_another_file_is_never_replaced(
+    start_server: Any, sock_dir: Path, lenders: Any
+) -> None:
+    regular = sock_dir / "regular"
+    regular.write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        start_server(name="regular")
+    assert regular.read_bytes() == b"precious"
+
+    live = start_server()
+    with pytest.raises(OSError) as in_use:
+        start_server()
+    assert in_use.value.errno == errno.EADDRINUSE
+    assert lenders(live, None).epoch == EPOCH, "the first server still serves"
+
+
+def test_stop_leaves_a_successors_socket(start_server: Any, sock_dir: Path) -> None:
+    first = start_server()
+    os.unlink(first.path)  # e.g. an operator removed it, and a successor took the path
+    successor = start_server()
+    first.stop()
+    assert os.path.exists(successor.path)
+
+
+# --- throughput ---------------------------------------------------------------------------------
+
+
+def test_copy_throughput_print(server: ShmLendingServer, lenders: Any) -> None:
+    """Producer-side copies at the size of a large batch: from a park lend into a pool-like
+    array, and from that array into a fetch lend. Printed, not asserted."""
+    nbytes = 256 * MiB
+    pool = np.empty(nbytes, np.uint8)
+    pool[:] = 1  # fault the destination in: a real pool is preallocated and touched
+    with SharedBuffer(nbytes) as buffer:
+        buffer.array[:] = 5
+        park = server.get(lenders(server, "park").lend(buffer, "park"), "park")
+        fetch = server.get(lenders(server, "fetch").lend(buffer, "fetch"), "fetch")
+        assert park is not None and fetch is not None
+        results = {}
+        for name, lent, into_lend in (
+            ("park lend -> pool", park, False),
+            ("pool -> fetch lend", fetch, True),
+        ):
+            best = float("inf")
+            with lent.acquire() as view:
+                lent_array = np.frombuffer(view, np.uint8)
+                for _ in range(5):
+                    started = time.perf_counter()
+                    if into_lend:
+                        np.copyto(lent_array, pool)
+                    else:
+                        np.copyto(pool, lent_array)
+                    best = min(best, time.perf_counter() - started)
+                del lent_array
+            results[name] = nbytes / best / 1e9
+        assert np.array_equal(pool[:4096], buffer.array[:4096])
+    print(
+        "\nshm copy throughput (256 MiB, best of 5): "
+        + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in results.items())
+    )
