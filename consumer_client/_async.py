@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -31,6 +32,7 @@ from ._core import (
     ClientCore,
     Policy,
     T,
+    Transport,
     check_policy,
     confirm_request,
     fallback_plan,
@@ -44,6 +46,7 @@ from ._errors import KVParkError, error_for, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
+from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import AsyncKeepAlive
 
@@ -97,6 +100,8 @@ class AsyncKVConsumer(ClientBase):
         interceptors: Sequence[Any] = (),
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         confirm: bool = True,
+        transport: Transport = "auto",
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -106,7 +111,9 @@ class AsyncKVConsumer(ClientBase):
             interceptors=interceptors,
             max_chunk_bytes=max_chunk_bytes,
         )
-        self._core = ClientCore(settings, timeout=timeout, confirm=confirm)
+        self._core = ClientCore(
+            settings, timeout=timeout, confirm=confirm, transport=transport, data_tls=data_tls
+        )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._fetch: Any = None
@@ -289,7 +296,12 @@ class AsyncKVConsumer(ClientBase):
             on_chunk=on_chunk,
         )
         _, fetch = self._stubs()
-        await self._stream(fetch, session)
+        try:
+            await self._stream(fetch, session)
+        except Fallback as why:
+            log.info("kvpark: %s; loading %r over the gRPC stream", why, session.kv_request_id)
+            session = session.over_grpc()
+            await self._stream(fetch, session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):
             self._in_background(self._confirm_quietly(result), _CONFIRM_TASK)
@@ -306,6 +318,8 @@ class AsyncKVConsumer(ClientBase):
             async for raw in call:
                 watchdog.disarm()
                 step = session.feed(raw)
+                if step is Step.OFFER:  # the bytes come over a data connection of their own
+                    step = await self._receive(session)
                 if step is not Step.CONTINUE:
                     break
             else:
@@ -329,6 +343,19 @@ class AsyncKVConsumer(ClientBase):
             watchdog.disarm()
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
+
+    async def _receive(self, session: LoadSession) -> Step:
+        """Reads the data connection on a worker thread while the loop runs on; a cancel of
+        the caller closes the connection, which ends the thread."""
+        assert session.offer is not None
+        receiver = TcpReceiver(session.offer, self.target, self._core.data_tls)
+        reading = asyncio.ensure_future(asyncio.to_thread(receiver.run, session))
+        try:
+            return await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            receiver.abort()
+            await asyncio.gather(reading, return_exceptions=True)
+            raise
 
     async def _confirm_quietly(self, result: LoadResult) -> None:
         try:

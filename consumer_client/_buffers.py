@@ -94,10 +94,15 @@ class IntoBuffer:
         self.capacity: int | None = self._array.size
         self.nbytes = 0
 
-    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
-        """Copies one verified payload after the previous one; returns where it landed."""
+    @property
+    def array_view(self) -> ByteArray:
+        """The whole destination (for transports that can write into it directly)."""
+        return self._array
+
+    def parts_for(self, index: int, chunk_id: int, nbytes: int) -> list[memoryview]:
+        """Where chunk `index` of `nbytes` goes: right after the previous one."""
         start = self.nbytes
-        end = start + len(data)
+        end = start + nbytes
         if end > self._array.size:
             raise BufferTooSmallError(
                 f"into holds {self._array.size} bytes; chunk {chunk_id} needs bytes "
@@ -107,9 +112,17 @@ class IntoBuffer:
                 chunks_loaded=index,
                 bytes_loaded=start,
             )
-        self._view[start:end] = data  # the one copy
-        self.nbytes = end
-        return self._view[start:end]
+        return [self._view[start:end]]
+
+    def landed(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+
+    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+        """Copies one verified payload after the previous one; returns where it landed."""
+        (part,) = self.parts_for(index, chunk_id, len(data))
+        part[:] = data  # the one copy
+        self.landed(len(data))
+        return part
 
     def array(self) -> ByteArray | None:
         return self._array[: self.nbytes]
@@ -124,10 +137,21 @@ class OwnedBuffer:
         self._parts: list[memoryview] = []
         self.nbytes = 0
 
+    def parts_for(self, index: int, chunk_id: int, nbytes: int) -> list[memoryview]:
+        """A new buffer of the chunk's size (for transports that read into memory)."""
+        return [memoryview(bytearray(nbytes))]
+
+    def landed(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+
     def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
         self._parts.append(data)
         self.nbytes += len(data)
         return data
+
+    def keep(self, parts: list[memoryview]) -> None:
+        """Keeps a chunk read by `parts_for` (the payload views are ours already)."""
+        self._parts.extend(parts)
 
     def array(self) -> ByteArray | None:
         out = np.empty(self.nbytes, dtype=np.uint8)
@@ -159,32 +183,47 @@ class ChunkBuffers:
             self.capacity = sum(len(p) for parts in self._checked for p in parts)
         self.nbytes = 0
 
-    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+    def parts_for(self, index: int, chunk_id: int, nbytes: int) -> list[memoryview]:
+        """The chunk's destination, asked of the sequence or the callable, trimmed to
+        `nbytes`."""
         if self._function is not None:
-            parts = _parts(self._function(chunk_id, len(data)), f"into({chunk_id}, {len(data)})")
+            parts = _parts(self._function(chunk_id, nbytes), f"into({chunk_id}, {nbytes})")
         elif index < len(self._checked):
             parts = self._checked[index]
         else:
             raise BufferTooSmallError(
                 f"into has {len(self._checked)} chunk destinations; chunk {chunk_id} is "
                 f"number {index + 1}",
-                needed=self.nbytes + len(data),
+                needed=self.nbytes + nbytes,
                 available=self.nbytes,
                 chunks_loaded=index,
                 bytes_loaded=self.nbytes,
             )
         room = sum(len(p) for p in parts)
-        if room < len(data):
+        if room < nbytes:
             raise BufferTooSmallError(
-                f"chunk {chunk_id} is {len(data)} bytes; its destination holds {room}",
-                needed=len(data),
+                f"chunk {chunk_id} is {nbytes} bytes; its destination holds {room}",
+                needed=nbytes,
                 available=room,
                 chunks_loaded=index,
                 bytes_loaded=self.nbytes,
             )
+        trimmed, left = [], nbytes
+        for part in parts:
+            if left <= 0:
+                break
+            trimmed.append(part[: min(len(part), left)])
+            left -= len(trimmed[-1])
+        return trimmed
+
+    def landed(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+
+    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+        parts = self.parts_for(index, chunk_id, len(data))
         _scatter(data, parts)  # the one copy
-        self.nbytes += len(data)
-        return parts[0][: len(data)] if len(parts) == 1 else data
+        self.landed(len(data))
+        return parts[0] if len(parts) == 1 else data
 
     def array(self) -> ByteArray | None:
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +51,10 @@ _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
 Policy = Literal["recompute", "fail"]
+# The `transport=` choices: "auto" takes the fastest the producer offers and this client can
+# use (shared memory on one host, then zero-copy TCP, then the gRPC stream).
+Transport = Literal["auto", "grpc", "tcp", "shm"]
+TRANSPORTS: tuple[Transport, ...] = ("auto", "grpc", "tcp", "shm")
 POLICIES: tuple[Policy, ...] = ("recompute", "fail")
 T = TypeVar("T")
 RecomputeFn = Callable[[int], T]
@@ -62,10 +67,24 @@ class TimeoutConfigWarning(UserWarning):
 
 class ClientCore:
     def __init__(
-        self, channel: ChannelSettings, *, timeout: Timeout | float | None, confirm: bool
+        self,
+        channel: ChannelSettings,
+        *,
+        timeout: Timeout | float | None,
+        confirm: bool,
+        transport: str = "auto",
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         if not isinstance(confirm, bool):
             raise UsageError(f"confirm: expected True or False, got {confirm!r}")
+        if transport not in TRANSPORTS:
+            raise UsageError(
+                f"transport: expected one of {', '.join(TRANSPORTS)}, got {transport!r}"
+            )
+        if data_tls is not None and not isinstance(data_tls, ssl.SSLContext):
+            raise UsageError("data_tls: expected an ssl.SSLContext")
+        self.transport = transport
+        self.data_tls = data_tls
         self.channel = channel
         self.timeout = to_timeout(timeout)
         self.confirm = confirm
@@ -192,7 +211,18 @@ class ClientCore:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait,
             on_chunk=on_chunk,
+            accept=self.accept_transports(),
         )
+
+    def accept_transports(self) -> tuple[pb.Transport, ...]:
+        """What a Fetch offers to take, best first (the producer picks what it has). TCP goes
+        in when it can work: over TLS only with `data_tls`, since the channel's credentials
+        cannot be reused for a plain socket."""
+        if self.transport == "grpc":
+            return ()
+        tcp_ok = self.channel.credentials is None or self.data_tls is not None
+        accept = [pb.TRANSPORT_TCP] if tcp_ok and self.transport in ("auto", "tcp") else []
+        return (*accept, pb.TRANSPORT_GRPC)
 
     def finish_load(self, session: LoadSession) -> LoadResult:
         info = self.info

@@ -30,7 +30,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import grpc
@@ -40,12 +41,15 @@ from kvpark.checksum import crc32c_of
 from kvpark.ids import printable_id
 from kvpark.pb import kvpark_pb2 as pb
 
-from ._buffers import Destination
+from ._buffers import Destination, OwnedBuffer
 from ._errors import classify_status, error_for
 from ._result import LoadResult, Reason
 from ._timeouts import Timeout
 
 log = logging.getLogger("kvpark.client")
+
+# How LoadResult.transport names the contract's Transport values.
+TRANSPORT_NAMES = {pb.TRANSPORT_GRPC: "grpc", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_SHM: "shm"}
 
 # Called after each chunk is verified and placed: (index in the request, chunk id, its bytes
 # where they landed). Lets an engine start on early chunks while later ones still stream.
@@ -58,6 +62,20 @@ class Step(enum.Enum):
     CONTINUE = "continue"  # read the next message
     DONE = "done"  # the producer's TransferDone arrived: drain to the end, do not cancel
     ABANDON = "abandon"  # the client gave up on the stream: cancel the call
+    OFFER = "offer"  # the bytes come over a data connection: `offer` says where
+
+
+@dataclass(frozen=True, slots=True)
+class ShmTarget:
+    """Where a TRANSPORT_SHM load's chunks land: a range of a buffer this client lent.
+    `view` is the client's own mapping of the whole lent buffer; `direct` when that range is
+    the destination itself (no staging copy)."""
+
+    lend_id: str
+    view: memoryview
+    offset: int
+    length: int
+    direct: bool
 
 
 class LoadSession:
@@ -71,9 +89,13 @@ class LoadSession:
         expected_epoch: int,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
+        accept: Sequence[pb.Transport] = (),
+        shm: ShmTarget | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv_request_id = kv_request_id
+        self.shm = shm
+        self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
         self._dest = destination
@@ -81,15 +103,22 @@ class LoadSession:
         self._clock = clock
         self.started = clock()
         budget = timeout.budget_s(destination.capacity)
-        self.deadline: Final = None if budget is None else self.started + budget
+        self.deadline = None if budget is None else self.started + budget
         first = timeout.first_chunk_s
-        self.first_chunk_deadline: Final = None if first is None else self.started + first
+        self.first_chunk_deadline = None if first is None else self.started + first
         self.request: Final[bytes] = pb.FetchRequest(
             kv_request_id=kv_request_id,
             chunk_ids=chunk_ids or (),
             expected_epoch=expected_epoch,
             wait_timeout_s=wait_timeout_s,
+            accept_transports=accept,
+            shm_lend_id=shm.lend_id if shm else "",
+            shm_offset=shm.offset if shm else 0,
+            shm_length=shm.length if shm else 0,
         ).SerializeToString()
+        # The DataOffer of a TRANSPORT_TCP answer, once it came (Step.OFFER).
+        self.offer: pb.DataOffer | None = None
+        self.transport = pb.TRANSPORT_GRPC
         self.chunks_loaded = 0
         self._sizes: list[int] = []
         # The decided outcome: (reason or None for ok, detail, grpc code). None = undecided.
@@ -97,6 +126,25 @@ class LoadSession:
         # From the producer's TransferDone: its epoch, and the delivery a success names.
         self.producer_epoch = 0
         self.delivery_id = 0
+
+    def over_grpc(self) -> LoadSession:
+        """The same load over the gRPC stream, after an out-of-band path failed before its
+        first byte: nothing was placed yet, and the time already spent still counts."""
+        chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk = self._args
+        session = LoadSession(
+            kv_request_id=self.kv_request_id,
+            chunk_ids=chunk_ids,
+            destination=destination,
+            timeout=timeout,
+            expected_epoch=expected_epoch,
+            wait_timeout_s=wait_timeout_s,
+            on_chunk=on_chunk,
+            clock=self._clock,
+        )
+        session.started = self.started
+        session.deadline = self.deadline
+        session.first_chunk_deadline = self.first_chunk_deadline
+        return session
 
     # ------------------------------------------------------------------------------ deadlines
     def remaining_s(self) -> float | None:
@@ -127,11 +175,20 @@ class LoadSession:
             return self._abandon(Reason.PROTOCOL_ERROR, f"malformed FetchResponse: {exc}")
         if isinstance(message, wire.ChunkView):
             return self._chunk(message)
-        if message is None:
-            return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with neither chunk nor done")
-        return self._done(message)
+        if isinstance(message, pb.TransferDone):
+            return self._done(message)
+        if isinstance(message, pb.DataOffer):
+            if self.offer is not None or self.chunks_loaded:
+                return self._abandon(Reason.PROTOCOL_ERROR, "a DataOffer after the first message")
+            self.offer = message
+            return Step.OFFER
+        if isinstance(message, pb.ChunkPlaced):
+            return self._placed(message)
+        return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with nothing in it")
 
-    def _chunk(self, chunk: wire.ChunkView) -> Step:
+    # ------------------------------------------------------------- out-of-band transports
+    def expected_chunk(self, chunk_id: int) -> Step | None:
+        """None when `chunk_id` is the next requested chunk, else the step of giving up."""
         index = self.chunks_loaded
         if self.chunk_ids is None:
             expected = index
@@ -139,12 +196,54 @@ class LoadSession:
             expected = self.chunk_ids[index]
         else:
             return self._abandon(
-                Reason.PROTOCOL_ERROR, f"chunk {chunk.chunk_id} sent after all requested chunks"
+                Reason.PROTOCOL_ERROR, f"chunk {chunk_id} sent after all requested chunks"
             )
-        if chunk.chunk_id != expected:
+        if chunk_id != expected:
             return self._abandon(
-                Reason.PROTOCOL_ERROR, f"chunk {chunk.chunk_id} arrived, expected {expected}"
+                Reason.PROTOCOL_ERROR, f"chunk {chunk_id} arrived, expected {expected}"
             )
+        return None
+
+    def parts_for(self, chunk_id: int, nbytes: int) -> list[memoryview]:
+        """Where the next chunk's bytes go, for a transport that reads them straight there
+        (after `expected_chunk`). May raise BufferTooSmallError."""
+        return self._dest.parts_for(self.chunks_loaded, chunk_id, nbytes)
+
+    def landed(self, chunk_id: int, crc32c: int, parts: list[memoryview], nbytes: int) -> Step:
+        """A chunk read straight into `parts`: it counts once its CRC32C matches there."""
+        actual = 0
+        for part in parts:
+            actual = crc32c_of(part, actual)
+        if actual != crc32c:
+            return self._abandon(
+                Reason.CHECKSUM_MISMATCH,
+                f"chunk {chunk_id}: crc32c {actual:#010x}, producer says {crc32c:#010x}",
+            )
+        if isinstance(self._dest, OwnedBuffer):
+            self._dest.keep(parts)
+        self._dest.landed(nbytes)
+        return self._counted(chunk_id, parts[0] if len(parts) == 1 else memoryview(b""), nbytes)
+
+    def _placed(self, placed: pb.ChunkPlaced) -> Step:
+        """A chunk the producer copied into this client's lent buffer (TRANSPORT_SHM)."""
+        shm = self.shm
+        if shm is None or placed.offset + placed.nbytes > shm.length:
+            return self._abandon(Reason.PROTOCOL_ERROR, "a ChunkPlaced outside the lent range")
+        refused = self.expected_chunk(placed.chunk_id)
+        if refused is not None:
+            return refused
+        start = shm.offset + placed.offset
+        region = shm.view[start : start + placed.nbytes]
+        if shm.direct:  # the lent range is the destination: the bytes are in place already
+            return self.landed(placed.chunk_id, placed.crc32c, [region], placed.nbytes)
+        view = wire.ChunkView(placed.chunk_id, placed.crc32c, region)
+        return self._chunk(view)  # verified, then copied from the staging range to `into`
+
+    def _chunk(self, chunk: wire.ChunkView) -> Step:
+        refused = self.expected_chunk(chunk.chunk_id)
+        if refused is not None:
+            return refused
+        index, expected = self.chunks_loaded, chunk.chunk_id
         if chunk.crc32c is None:
             return self._abandon(Reason.PROTOCOL_ERROR, f"chunk {expected} came without a CRC32C")
         actual = crc32c_of(chunk.data)
@@ -154,14 +253,19 @@ class LoadSession:
                 f"chunk {expected}: crc32c {actual:#010x}, producer says {chunk.crc32c:#010x}",
             )
         landed = self._dest.place(chunk.data, index, expected)
+        return self._counted(expected, landed, len(chunk.data))
+
+    def _counted(self, chunk_id: int, landed: memoryview, nbytes: int) -> Step:
+        index = self.chunks_loaded
         self.chunks_loaded += 1
-        self._sizes.append(len(chunk.data))
+        self._sizes.append(nbytes)
         if self._on_chunk is not None:
-            self._on_chunk(index, expected, landed)
+            self._on_chunk(index, chunk_id, landed)
         return Step.CONTINUE
 
     def _done(self, done: pb.TransferDone) -> Step:
         self.producer_epoch = done.producer_epoch
+        self.transport = done.transport or pb.TRANSPORT_GRPC
         if done.status == pb.STATUS_OK:
             if self.chunk_ids is not None and not self._complete():
                 self._decide(
@@ -233,6 +337,7 @@ class LoadSession:
             producer_epoch=epoch,
             grpc_code=code,
             delivery_id=self.delivery_id if ok else 0,
+            transport=TRANSPORT_NAMES.get(self.transport, "grpc"),
             data=self._dest.array(),
         )
         level = logging.WARNING if reason in _LOUD else logging.DEBUG
@@ -257,6 +362,12 @@ class LoadSession:
     ) -> None:
         if self._outcome is None:
             self._outcome = (reason, detail, code)
+
+    def give_up(self, reason: Reason, detail: str) -> Step:
+        """The client ends the load (a transport of its own saw it fail)."""
+        if reason is Reason.TIMEOUT:
+            detail = self._timeout_detail("total")
+        return self._abandon(reason, detail)
 
     def _abandon(self, reason: Reason, detail: str) -> Step:
         self._decide(reason, detail)

@@ -12,6 +12,7 @@ confirmations of deliveries (one worker thread, so a load returns as soon as it 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
@@ -33,6 +34,7 @@ from ._core import (
     ClientCore,
     Policy,
     T,
+    Transport,
     check_policy,
     confirm_request,
     fallback_plan,
@@ -46,6 +48,7 @@ from ._errors import KVParkError, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
+from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import KeepAlive
 
@@ -93,6 +96,8 @@ class KVConsumer(ClientBase):
         interceptors: Sequence[Any] = (),
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         confirm: bool = True,
+        transport: Transport = "auto",
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -102,7 +107,9 @@ class KVConsumer(ClientBase):
             interceptors=interceptors,
             max_chunk_bytes=max_chunk_bytes,
         )
-        self._core = ClientCore(settings, timeout=timeout, confirm=confirm)
+        self._core = ClientCore(
+            settings, timeout=timeout, confirm=confirm, transport=transport, data_tls=data_tls
+        )
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
@@ -283,7 +290,12 @@ class KVConsumer(ClientBase):
             on_chunk=on_chunk,
         )
         _, fetch = self._stubs()
-        self._stream(fetch, session)
+        try:
+            self._stream(fetch, session)
+        except Fallback as why:
+            log.info("kvpark: %s; loading %r over the gRPC stream", why, session.kv_request_id)
+            session = session.over_grpc()
+            self._stream(fetch, session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):
             self._confirm_later(result)
@@ -300,6 +312,10 @@ class KVConsumer(ClientBase):
             for raw in call:
                 watchdog.disarm()
                 step = session.feed(raw)
+                if step is Step.OFFER:  # the bytes come over a data connection of their own
+                    assert session.offer is not None
+                    receiver = TcpReceiver(session.offer, self.target, self._core.data_tls)
+                    step = receiver.run(session)
                 if step is not Step.CONTINUE:
                     break
             else:

@@ -83,6 +83,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 found = role
         return found
 
+    def refuse_role(self, token: str | None, role: str) -> str | None:
+        """For the shm socket, which has no gRPC metadata: None when `token` may act as
+        `role` (or the role has no token), else why not."""
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        refusal = self._decide(f"lend a buffer for {role}", frozenset({role}), metadata)
+        return None if refusal is None else refusal[1]
+
     def refuse_give_up(self, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """None when the caller may give ids up with Release (the park role's right), else
         the status to refuse it with."""

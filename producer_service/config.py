@@ -31,6 +31,7 @@ from .config_values import (
     parse_optional_token,
     parse_seconds,
     parse_share,
+    parse_socket_path,
     show,
 )
 
@@ -58,6 +59,7 @@ _SHARE = _Kind(parse_share, "SHARE", "memory")
 _LOG_LEVEL = _Kind(choice("debug", "info", "warning", "error"), "LEVEL", "logging")
 _LOG_FORMAT = _Kind(choice("text", "json"), "FORMAT", "logging")
 _FILE = _Kind(parse_optional_file, "FILE", "security")
+_SOCKET_PATH = _Kind(parse_socket_path, "PATH", "network")
 _TOKEN = _Kind(parse_optional_token, "TOKEN", "security", secret=True)
 _BOOL = _Kind(parse_bool, "BOOL", "security")
 
@@ -104,6 +106,21 @@ class ProducerConfig:
     metrics_listen: str = field(
         default="127.0.0.1:9400",
         metadata=_key(_OPTIONAL_ADDRESS, "Prometheus /metrics address; empty disables"),
+    )
+    data_listen: str = field(
+        default="",
+        metadata=_key(
+            _OPTIONAL_ADDRESS,
+            "address of the zero-copy TCP data listener for Fetch (TRANSPORT_TCP); empty disables",
+        ),
+    )
+    shm_socket: str = field(
+        default="",
+        metadata=_key(
+            _SOCKET_PATH,
+            "Unix socket path where same-host clients lend shared-memory buffers "
+            "(TRANSPORT_SHM); empty disables",
+        ),
     )
     advertise_address: str = field(
         default="",
@@ -267,6 +284,22 @@ class ProducerConfig:
                     "value not shown)",
                     keys=(f"{role}_token", f"{role}_token_file"),
                 )
+        data = self.data_address
+        protected = self.tls_enabled or self.auth_enabled or self.allow_insecure
+        if data is not None and not (data.is_loopback or protected):
+            raise ConfigError(
+                f"data_listen: {self.data_listen!r} is not a loopback address and neither "
+                "TLS nor tokens are set; configure TLS or tokens, or set allow_insecure=true",
+                keys=("data_listen", "allow_insecure"),
+            )
+        if data is not None and data.port != 0 and data.port == self.listen_address.port:
+            same_host = data.host == self.listen_address.host or data.is_wildcard
+            if same_host or self.listen_address.is_wildcard:
+                raise ConfigError(
+                    f"data_listen ({self.data_listen!r}) must not use the same address as "
+                    f"listen ({self.listen!r})",
+                    keys=("data_listen", "listen"),
+                )
         if self.is_insecure_exposed and not self.allow_insecure:
             raise ConfigError(
                 f"listen: {self.listen!r} is not a loopback address and neither TLS "
@@ -328,6 +361,11 @@ class ProducerConfig:
         """Non-loopback `listen` with neither TLS nor tokens: valid only because
         `allow_insecure` is true, and the server warns about it at start-up."""
         return not (self.listen_is_loopback or self.tls_enabled or self.auth_enabled)
+
+    @property
+    def data_address(self) -> Address | None:
+        """`data_listen` parsed, or None when the TCP data path is off."""
+        return Address.parse(self.data_listen) if self.data_listen else None
 
     @property
     def metrics_address(self) -> Address | None:

@@ -190,6 +190,17 @@ def parse_optional_file(key: str, value: object) -> str | None:
     return value
 
 
+def parse_socket_path(key: str, value: object) -> str:
+    """A Unix socket path, or "" for none. Linux limits such paths to 107 bytes."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return ""
+    if not isinstance(value, str) or "\x00" in value:
+        raise _bad(key, "a filesystem path or empty", value)
+    if len(value.encode()) > 107:
+        raise _bad(key, "a path of at most 107 bytes (the Unix socket limit)", value)
+    return value
+
+
 def parse_optional_token(key: str, value: object) -> str | None:
     if value is None:
         return None

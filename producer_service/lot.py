@@ -163,6 +163,9 @@ class ParkBatch:
     bytes_received: int = 0
     # Bytes this batch holds in pool pages (bounded by max_batch_bytes).
     stored_bytes: int = 0
+    # Slots being filled from a lent buffer by a worker thread: the batch owns them, and they
+    # are freed only by `end_fill`, never under the thread that writes them.
+    filling: set[SlotHandle] = field(default_factory=set)
     failed: Refusal | None = None
     done: bool = False
     # Set by the servicer: called when the batch is undone from outside its own call.
@@ -189,6 +192,13 @@ class FetchBinding:
     bytes_sent: int = 0
     failed: Refusal | None = None
     active: bool = True
+
+    def remaining(self) -> int | None:
+        """Requested chunks not handed out yet; None while "all chunks" has no known total."""
+        if self.requested is not None:
+            return len(self.requested) - self.cursor
+        total = self.entry.total_chunks
+        return total - self.cursor if total else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +296,9 @@ class Lot:
         self._seq = itertools.count()
         self._delivered: OrderedDict[str, _Entry] = OrderedDict()
         self._open_batches: dict[ParkBatch, None] = {}
+        # Slots a worker thread is filling for a batch (begin_fill .. end_fill), whatever
+        # became of the batch meanwhile: counted as pending until their fill ends.
+        self._filling: set[SlotHandle] = set()
         self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._intents: OrderedDict[str, float] = OrderedDict()
         self._intent_heap: list[tuple[float, str]] = []
@@ -395,11 +408,76 @@ class Lot:
         self._pending_bytes += nbytes
         return None
 
+    def begin_fill(
+        self, batch: ParkBatch, chunk_id: int, nbytes: int
+    ) -> tuple[SlotHandle, list[memoryview]] | Refusal:
+        """The first half of storing a chunk that is copied in off the event loop (from a
+        buffer a client lent): the checks `park_chunk` makes before its copy, and a slot whose
+        views the caller fills. `end_fill` finishes it."""
+        if batch.failed is not None:
+            return batch.failed
+        entry = batch.entry
+        batch.chunks_received += 1
+        batch.bytes_received += nbytes
+        batch.last_activity = self.clock()
+        if entry.delivery_id:
+            detail = "the id was delivered while this batch was open"
+            return self._undo(batch, Refusal(ALREADY_CONSUMED, detail))
+        if nbytes <= 0 or (entry.total_chunks and chunk_id >= entry.total_chunks):
+            self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
+            raise MalformedRequest(
+                f"chunk {chunk_id} of {nbytes} bytes: empty, or out of range "
+                f"(total_chunks {entry.total_chunks})"
+            )
+        if batch.stored_bytes + nbytes > self.max_batch_bytes:
+            return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
+        handle = self._allocate(nbytes, batch.reservation)
+        if handle is None:
+            detail = f"pool full at chunk {chunk_id} ({nbytes} bytes)"
+            return self._undo(batch, Refusal(POOL_FULL, detail, self._retry_after(self.clock())))
+        batch.filling.add(handle)
+        self._filling.add(handle)
+        batch.stored_bytes += nbytes
+        self._pending_bytes += nbytes
+        return handle, self.pool.views(handle)
+
+    def end_fill(
+        self, batch: ParkBatch, chunk_id: int, handle: SlotHandle, crc32c: int | None, actual: int
+    ) -> Refusal | None:
+        """The second half: the slot was filled and its CRC32C computed (`actual`). Checks the
+        chunk as `park_chunk` does and keeps it in the batch, or frees it."""
+        batch.filling.discard(handle)
+        self._filling.discard(handle)
+        batch.stored_bytes -= handle.nbytes
+        self._pending_bytes -= handle.nbytes
+        if batch.failed is not None:  # undone while the thread wrote: its pages go now
+            self.pool.free(handle)
+            return batch.failed
+        entry = batch.entry
+        refusal = None
+        if crc32c is not None and actual != crc32c:
+            detail = f"chunk {chunk_id}: crc32c {actual:#010x}, the chunk says {crc32c:#010x}"
+            refusal = Refusal(CHECKSUM_MISMATCH, detail)
+        same = batch.pending.get(chunk_id) or entry.chunks.get(chunk_id)
+        if refusal is None and same is not None:
+            if same.crc32c == actual and self.pool.same_bytes(same.handle, handle):
+                self.pool.free(handle)  # the same bytes again: nothing more to keep
+                return None
+            refusal = Refusal(CHUNK_CONFLICT, f"chunk {chunk_id} was parked with other bytes")
+        if refusal is not None:
+            self.pool.free(handle)
+            return self._undo(batch, refusal)
+        batch.pending[chunk_id] = _Stored(handle, actual)
+        batch.stored_bytes += handle.nbytes
+        self._pending_bytes += handle.nbytes
+        return None
+
     def commit_park(self, batch: ParkBatch, chunks: int, nbytes: int) -> ParkDone | Refusal:
         """Makes the batch visible, all at once, if `chunks` and `nbytes` name what it sent."""
         if batch.failed is not None:
             return batch.failed
         entry = batch.entry
+        assert not batch.filling, "a commit waits for every fill to end"
         if (chunks, nbytes) != (batch.chunks_received, batch.bytes_received):
             detail = (
                 f"commit names {chunks} chunks and {nbytes} bytes; the batch sent "
@@ -468,7 +546,8 @@ class Lot:
         return None
 
     def _undo(self, batch: ParkBatch, refusal: Refusal) -> Refusal:
-        """Fails a batch: its pending chunks and unused reservation go back to the pool."""
+        """Fails a batch: its pending chunks and unused reservation go back to the pool (slots
+        still being filled go when their fill ends: `end_fill`)."""
         for stored in batch.pending.values():
             self.pool.free(stored.handle)
             self._pending_bytes -= stored.handle.nbytes
@@ -538,6 +617,12 @@ class Lot:
         while reservation is None and self._evict_one_delivered():
             reservation = self.pool.reserve(nbytes)
         return reservation
+
+    def _allocate(self, nbytes: int, reservation: Reservation | None) -> SlotHandle | None:
+        handle = self.pool.allocate(nbytes, reservation)
+        while handle is None and self._evict_one_delivered():
+            handle = self.pool.allocate(nbytes, reservation)
+        return handle
 
     def _store(self, data: memoryview, reservation: Reservation | None) -> SlotHandle | None:
         handle = self.pool.store(data, reservation)
@@ -1048,6 +1133,9 @@ class Lot:
                     pending += s.handle.nbytes
             committed += size
         assert len(self._open_batches) == sum(len(e.open_batches) for e in self._entries.values())
+        for handle in self._filling:
+            assert self.pool.is_live(handle), "a slot being filled was freed under its thread"
+            pending += handle.nbytes
         assert all(kid in self._entries for kid in self._delivered)
         assert committed == self._parked_bytes >= 0, "parked bytes are off"
         assert pending == self._pending_bytes >= 0, "pending bytes are off"

@@ -135,7 +135,18 @@ class HostPool:
 
         Pages come from `reservation` first (when given and open), then from the free list.
         """
-        nbytes = len(data)
+        handle = self.allocate(len(data), reservation)
+        if handle is None:
+            return None
+        pos = 0
+        for view in self.views(handle):
+            view[:] = data[pos : pos + len(view)]
+            pos += len(view)
+        return handle
+
+    def allocate(self, nbytes: int, reservation: Reservation | None = None) -> SlotHandle | None:
+        """A slot of `nbytes` whose contents the caller writes through `views` (a copy made off
+        the event loop), or None if the pool is full. Pages as for `store`."""
         if nbytes <= 0:
             raise ValueError("cannot store an empty chunk")
         need = self.pages_for(nbytes)
@@ -150,11 +161,6 @@ class HostPool:
         while len(pages) < need:
             pages.append(self._free_pages.pop())
         extents = self._extents(pages, nbytes)
-        pos = 0
-        memory = self._memory
-        for offset, length in extents:
-            memory[offset : offset + length] = data[pos : pos + length]
-            pos += length
         index = self._free_slots.pop() if self._free_slots else self._new_slot()
         slot = self._slots[index]
         slot.in_use = True

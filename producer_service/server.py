@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import signal
+import ssl
 import time
 from typing import Any
 
@@ -20,12 +21,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpark.address import Address
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
 from .config import ProducerConfig
 from .credentials import Credentials, load_credentials
+from .data_listener import DataListener
 from .fd_budget import check_fd_budget
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
@@ -33,6 +36,7 @@ from .lot import Clock, Lot, LotSettings
 from .metrics import ProducerMetrics
 from .pool import HostPool
 from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
+from .shm_lending import ShmLendingServer
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -135,6 +139,10 @@ class ProducerServer:
         self.idle_trim = IdleHeapTrim(clock=clock)
         self.port = 0
         self.metrics_port = 0
+        self.data: DataListener | None = None
+        self.data_port = 0
+        self._data_address = ""
+        self.shm: ShmLendingServer | None = None
         self._stopped = asyncio.Event()
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -158,6 +166,7 @@ class ProducerServer:
             server,
         )
         self.port = self._bind(server)
+        self._start_transports()
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
@@ -179,6 +188,44 @@ class ProducerServer:
                 }
             },
         )
+
+    def _start_transports(self) -> None:
+        """The out-of-band transports the configuration turns on, handed to the servicer."""
+        c = self.config
+        data_address = ""
+        if c.data_address is not None:
+            self.data = DataListener(
+                c.data_address, tls=self._data_tls(), loop=asyncio.get_running_loop()
+            )
+            self.data_port = self.data.start()
+            advertised = Address.parse(c.advertise_address) if c.advertise_address else None
+            # Without an advertised address the consumer connects to the host it dialed.
+            data_address = str(Address(advertised.host, self.data_port)) if advertised else ""
+            data_address = data_address or f":{self.data_port}"
+        if c.shm_socket:
+            self.shm = ShmLendingServer(c.shm_socket, self.epoch, self._refuse_lend)
+            self.shm.start()
+        self.servicer.offer(data=self.data, data_address=data_address, shm=self.shm)
+        self._data_address = data_address
+
+    def _data_tls(self) -> ssl.SSLContext | None:
+        """The data connection's TLS, from the same files as the gRPC port's."""
+        c = self.config
+        if not c.tls_enabled:
+            return None
+        assert c.tls_cert_file and c.tls_key_file
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+        if c.tls_client_ca_file:
+            context.load_verify_locations(cafile=c.tls_client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _refuse_lend(self, token: str | None, role: str) -> str | None:
+        """Whether a client may lend a buffer for `role` (the shm socket's token check)."""
+        if self._auth is None:
+            return None
+        return self._auth.refuse_role(token, role)
 
     def _token_interceptor(self) -> TokenAuthInterceptor | None:
         park, fetch = self.credentials.park_token, self.credentials.fetch_token
@@ -241,6 +288,9 @@ class ProducerServer:
             fetch_stall_timeout_s=c.fetch_stall_timeout_s,
             max_batch_bytes=self.lot.max_batch_bytes,
             advertise_address=c.advertise_address,
+            data_address=self._data_address,
+            data_tls=self.data is not None and self.data.tls,
+            shm_socket=c.shm_socket if self.shm is not None else "",
         )
 
     async def _reap_forever(self) -> None:
@@ -299,6 +349,10 @@ class ProducerServer:
         await self._server.stop(1.0)
         if self._reaper is not None:
             self._reaper.cancel()
+        if self.data is not None:
+            self.data.stop()
+        if self.shm is not None:
+            self.shm.stop()
         self.metrics.close()
         self._stopped.set()
 

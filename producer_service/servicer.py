@@ -14,6 +14,7 @@ that registers the service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -27,11 +28,11 @@ from kvpark import wire
 from kvpark.ids import id_problem, printable_id
 from kvpark.pb import kvpark_pb2 as pb
 
+from .data_listener import DataListener
 from .logs import LOGGER_NAME, RateLimitedWarnings
 from .lot import (
     FetchBinding,
     FetchEnd,
-    FetchWait,
     IdStatus,
     Lot,
     MalformedRequest,
@@ -42,8 +43,12 @@ from .lot import (
     reason_name,
 )
 from .metrics import ProducerMetrics
+from .shm_lending import LendGone, ShmLendingServer
+from .shm_park import LentChunks
+from .transports import BATCH_BYTES, Destination, GrpcStream, ShmStream, Stalled, TcpStream
 
 SERVICE_NAME = "kvpark.v1.KVProducer"
+GRPC, TCP, SHM = pb.TRANSPORT_GRPC, pb.TRANSPORT_TCP, pb.TRANSPORT_SHM
 T = TypeVar("T")
 # Ids per Lookup or KeepAlive. Each id costs ~10 µs of the event loop (check, lot, IdState), so
 # a full call is ~10 ms, served in slices that yield between them: an honest call waiting
@@ -64,8 +69,15 @@ class KVProducerServicer:
         server_info: Callable[[], pb.ServerInfo],
         refuse_give_up: Callable[[Any], tuple[grpc.StatusCode, str] | None] = lambda md: None,
         advertise_address: str = "",
+        data: DataListener | None = None,
+        data_address: str = "",
+        shm: ShmLendingServer | None = None,
     ) -> None:
         self._advertise_address = advertise_address
+        # The out-of-band transports this producer offers (None: not offered).
+        self._data = data
+        self._data_address = data_address
+        self._shm = shm
         self._lot = lot
         self._metrics = metrics
         self._max_chunk_bytes = max_chunk_bytes
@@ -75,6 +87,12 @@ class KVProducerServicer:
         # both roles (auth.py holds the roles table).
         self._refuse_give_up = refuse_give_up
         self._warnings = RateLimitedWarnings(log, metrics.count_suppressed)
+
+    def offer(
+        self, *, data: DataListener | None, data_address: str, shm: ShmLendingServer | None
+    ) -> None:
+        """The out-of-band transports the server started (at start-up, before any call)."""
+        self._data, self._data_address, self._shm = data, data_address, shm
 
     # =================================================================================== Park
     async def Park(self, requests: AsyncIterator[bytes], context: Any) -> pb.ParkResponse:
@@ -93,6 +111,7 @@ class KVProducerServicer:
         if not isinstance(header, pb.ParkHeader):
             await _invalid(context, "the first Park message must be a ParkHeader")
         kid = await _valid_id(context, header.kv_request_id)
+        lent = await self._lent_for_park(header, context)
         opened = self._lot.begin_park(kid, header.total_chunks, header.batch_bytes)
         if isinstance(opened, Refusal):
             if opened.late:
@@ -104,24 +123,38 @@ class KVProducerServicer:
         # The lot ends a batch from outside its call on idle expiry, shutdown or the end of
         # its id; waking the handler (it sits in `anext`) lets it answer in-band at once.
         batch.wake = functools.partial(_interrupt, task)
+        held = contextlib.ExitStack()
+        fills = None
+        if lent is not None:
+            try:
+                held.enter_context(lent.acquire())  # mapped until the last fill is done
+            except LendGone:
+                self._lot.abort_park(batch)
+                await _invalid(context, "the lent buffer was released before the Park used it")
+            fills = LentChunks(self._lot, batch, lent.view)
         try:
             async for raw in requests:
                 message = await _parse_park(context, raw)
+                refused = None
                 if isinstance(message, wire.ChunkView):
                     refused = await self._park_chunk(batch, message, context)
-                    if refused is not None:
-                        if refused.late:
-                            self._warn_late("late_park", kid, refused, context)
-                        return self._park_failed(refused)
+                elif isinstance(message, pb.ChunkRef):
+                    refused = await self._park_chunk_ref(batch, message, fills, context)
                 elif isinstance(message, pb.ParkCommit):
-                    return self._park_committed(
-                        self._lot.commit_park(batch, message.chunks, message.bytes)
-                    )
+                    if fills is not None:
+                        refused = await fills.finish()
+                    if refused is None:
+                        done = self._lot.commit_park(batch, message.chunks, message.bytes)
+                        return self._park_committed(done)
                 else:
                     self._lot.abort_park(batch)
                     await _invalid(
                         context, "ParkHeader repeated: only the first message may be a header"
                     )
+                if refused is not None:
+                    if refused.late:
+                        self._warn_late("late_park", kid, refused, context)
+                    return self._park_failed(refused)
             return self._park_failed(self._lot.end_park_stream(batch))
         except asyncio.CancelledError:
             if batch.failed is not None and _uncancel_wakeup(task):
@@ -129,6 +162,35 @@ class KVProducerServicer:
             raise  # the client went away: the finally undoes the batch
         finally:
             self._lot.abort_park(batch)  # a no-op once committed or already undone
+            if fills is not None:
+                await fills.drain()  # threads still copying finish before pages go back
+            held.close()
+
+    async def _lent_for_park(self, header: pb.ParkHeader, context: Any) -> Any:
+        """The buffer a Park header names (TRANSPORT_SHM), or None when chunks come inline."""
+        if not header.shm_lend_id:
+            return None
+        lent = self._shm.get(header.shm_lend_id, "park") if self._shm is not None else None
+        if lent is None:
+            await _invalid(context, "shm_lend_id names no buffer lent to this producer for Park")
+        return lent
+
+    async def _park_chunk_ref(
+        self, batch: ParkBatch, ref: pb.ChunkRef, fills: LentChunks | None, context: Any
+    ) -> Refusal | None:
+        problem = "a ChunkRef needs a ParkHeader that names shm_lend_id" if fills is None else None
+        if problem is None and ref.nbytes > self._max_chunk_bytes:
+            problem = f"chunk_ref {ref.chunk_id} is {ref.nbytes} bytes, more than max_chunk_bytes"
+        if problem is None and fills is not None:
+            problem = fills.check_range(ref)
+        if problem is not None:
+            self._lot.abort_park(batch)
+            await _invalid(context, problem)
+        assert fills is not None
+        try:
+            return await fills.add(ref)
+        except MalformedRequest as exc:
+            await _invalid(context, str(exc))
 
     async def _park_chunk(
         self, batch: ParkBatch, chunk: wire.ChunkView, context: Any
@@ -171,8 +233,9 @@ class KVProducerServicer:
 
     # ================================================================================== Fetch
     async def Fetch(self, raw: pb.FetchRequest | Malformed, context: Any) -> None:
-        """Streams the id's chunks, then its TransferDone, with `context.write` (the
-        Reader/Writer form of a grpc.aio server-streaming handler)."""
+        """Streams the id's chunks — as messages of this call, over the consumer's data
+        connection, or into its lent buffer (transports.py) — then the TransferDone, with
+        `context.write` (the Reader/Writer form of a grpc.aio server-streaming handler)."""
         started = time.monotonic()
         request = await _well_formed(context, raw)
         kid = await _valid_id(context, request.kv_request_id)
@@ -186,6 +249,8 @@ class KVProducerServicer:
             await _invalid(
                 context, f"{len(request.chunk_ids)} chunk_ids, more than the pool can hold ({most})"
             )
+        transport = self._pick_transport(request)
+        lent = await self._lent_for_fetch(request, context) if transport == SHM else None
         wakeup = asyncio.Event()
         try:
             bound = self._lot.bind_fetch(
@@ -196,55 +261,155 @@ class KVProducerServicer:
         if isinstance(bound, Refusal):
             if bound.late:
                 self._warn_late("late_fetch", kid, bound, context)
-            await context.write(self._fetch_done(FetchEnd(bound, 0, 0), started))
+            await context.write(self._fetch_done(FetchEnd(bound, 0, 0), started, GRPC))
             return
         binding = bound
         if binding.time_to_fetch_s is not None:
             self._metrics.time_to_fetch_seconds.observe(binding.time_to_fetch_s)
-        clock = self._lot.clock
-        stall_s = self._fetch_stall_timeout_s
-        loop = asyncio.get_running_loop()
         try:
-            while True:
-                wakeup.clear()  # before asking, so a notify during the answer is not lost
-                step = self._lot.next_for(binding)
-                if isinstance(step, ReadyChunk):
-                    frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
-                    self._metrics.sent_bytes_total.inc(step.nbytes)
-                    # A write waits while the consumer's flow-control window is shut. One that
-                    # reads nothing for stall_s loses its id (it goes back to PARKED with a
-                    # fresh lease, for a retry). The write itself is not cancelled: grpc core
-                    # cannot take back a message it holds, and a cancelled send can leave the
-                    # stream stuck. It ends when the consumer reads or its connection goes.
-                    watchdog = loop.call_later(stall_s, self._stalled, binding, kid, context)
+            with contextlib.ExitStack() as held:
+                if lent is not None:
                     try:
-                        await context.write(frame)
-                    finally:
-                        watchdog.cancel()
-                    if not binding.active and binding.failed is None:  # cut off meanwhile
-                        await context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"the consumer read nothing for {stall_s:g}s (fetch_stall_timeout_s)",
+                        held.enter_context(lent.acquire())  # mapped until the last copy
+                    except LendGone:
+                        await _invalid(
+                            context, "the lent buffer was released before the Fetch used it"
                         )
-                elif isinstance(step, FetchWait):
-                    try:
-                        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel
-                        # that lands in the same turn as the wakeup, leaving the id BOUND to a
-                        # consumer that is gone until the wait runs out.
-                        async with asyncio.timeout(max(0.0, step.deadline - clock())):
-                            await wakeup.wait()
-                    except TimeoutError:
-                        end = self._lot.fetch_wait_expired(binding)
-                        await context.write(self._fetch_done(end, started))
+                destination = await self._open(transport, binding, request, lent, context)
+                held.callback(destination.close)
+                while True:
+                    ready = await self._ready(binding, wakeup)
+                    if isinstance(ready, FetchEnd):
+                        destination.close()  # a data connection ends before the TransferDone
+                        done = self._fetch_done(ready, started, destination.transport)
+                        await context.write(done)
                         return
-                else:
-                    await context.write(self._fetch_done(step, started))
-                    return
+                    await self._send(destination, ready, binding, kid, context)
         finally:
             # Consumer cancelled or disconnected: the id returns to where it was.
             self._lot.cancel_fetch(binding)
 
-    def _fetch_done(self, end: FetchEnd, started: float) -> bytes:
+    def _pick_transport(self, request: pb.FetchRequest) -> pb.Transport:
+        """The first transport the consumer accepts that this producer offers."""
+        for transport in request.accept_transports:
+            if transport == TCP and self._data is not None:
+                return TCP
+            if transport == SHM and self._shm is not None:
+                return SHM
+            if transport == GRPC:
+                return GRPC
+        return GRPC
+
+    async def _lent_for_fetch(self, request: pb.FetchRequest, context: Any) -> Any:
+        """The buffer a TRANSPORT_SHM Fetch names, checked before anything binds, so a bad one
+        costs nothing (the consumer falls back to another transport)."""
+        assert self._shm is not None
+        lent = self._shm.get(request.shm_lend_id, "fetch")
+        if lent is None:
+            await _invalid(context, "shm_lend_id names no buffer lent to this producer for Fetch")
+        if not 0 < request.shm_length <= lent.nbytes - request.shm_offset:
+            await _invalid(
+                context,
+                f"shm range {request.shm_offset}+{request.shm_length} is empty or beyond the "
+                f"{lent.nbytes}-byte lent buffer",
+            )
+        return lent
+
+    async def _open(
+        self,
+        transport: pb.Transport,
+        binding: FetchBinding,
+        request: pb.FetchRequest,
+        lent: Any,
+        context: Any,
+    ) -> Destination:
+        stall_s = self._fetch_stall_timeout_s
+        if transport == SHM:
+            target = lent.view[request.shm_offset : request.shm_offset + request.shm_length]
+            return ShmStream(context, target, limit=request.shm_length)
+        if transport == TCP:
+            assert self._data is not None
+            ticket, arrival = self._data.expect()
+            try:
+                offer = pb.DataOffer(
+                    transport=TCP, address=self._data_address, ticket=ticket, tls=self._data.tls
+                )
+                await context.write(pb.FetchResponse(data_offer=offer).SerializeToString())
+                try:
+                    async with asyncio.timeout(stall_s):
+                        sock = await arrival
+                except TimeoutError:
+                    self._stalled(binding, binding.entry.kv_request_id, context)
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the consumer did not connect to the data address within {stall_s:g}s",
+                    )
+            finally:
+                self._data.forget(ticket)  # used or not, it opens nothing any more
+            return TcpStream(sock, stall_s)
+        on_stall = functools.partial(self._stalled, binding, binding.entry.kv_request_id, context)
+        return GrpcStream(context, stall_s, on_stall)
+
+    async def _ready(
+        self, binding: FetchBinding, wakeup: asyncio.Event
+    ) -> list[ReadyChunk] | FetchEnd:
+        """The next chunks the binding may send (as many as are ready, up to BATCH_BYTES), or
+        how it ended; waits, bounded by the binding's stall wait, while nothing is ready."""
+        clock = self._lot.clock
+        while True:
+            wakeup.clear()  # before asking, so a notify during the answer is not lost
+            step = self._lot.next_for(binding)
+            if isinstance(step, ReadyChunk):
+                batch, size = [step], step.nbytes
+                # Never ask past the last chunk: that answer delivers the id, which must wait
+                # until these chunks are really out.
+                while size < BATCH_BYTES and binding.remaining() != 0:
+                    more = self._lot.next_for(binding)
+                    if not isinstance(more, ReadyChunk):
+                        break
+                    batch.append(more)
+                    size += more.nbytes
+                return batch
+            if isinstance(step, FetchEnd):
+                return step
+            try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+                # lands in the same turn as the wakeup, leaving the id BOUND to a consumer that
+                # is gone until the wait runs out.
+                async with asyncio.timeout(max(0.0, step.deadline - clock())):
+                    await wakeup.wait()
+            except TimeoutError:
+                return self._lot.fetch_wait_expired(binding)
+
+    async def _send(
+        self,
+        destination: Destination,
+        chunks: list[ReadyChunk],
+        binding: FetchBinding,
+        kid: str,
+        context: Any,
+    ) -> None:
+        stall_s = self._fetch_stall_timeout_s
+        if isinstance(destination, ShmStream):
+            too_big = destination.room_for(chunks)
+            if too_big is not None:
+                await _invalid(
+                    context,
+                    f"chunk {too_big.chunk_id} ({too_big.nbytes} bytes) does not fit in the "
+                    "rest of the lent shm range; the id keeps its bytes",
+                )
+        self._metrics.sent_bytes_total.inc(sum(c.nbytes for c in chunks))
+        try:
+            await destination.send(chunks)
+        except Stalled:
+            self._stalled(binding, kid, context)
+        if not binding.active and binding.failed is None:  # cut off for stalling
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the consumer read nothing for {stall_s:g}s (fetch_stall_timeout_s)",
+            )
+
+    def _fetch_done(self, end: FetchEnd, started: float, transport: pb.Transport) -> bytes:
         reason = end.refusal.reason if end.refusal is not None else pb.REASON_UNSPECIFIED
         self._metrics.count_fetch(reason)
         self._metrics.fetch_duration_seconds.observe(time.monotonic() - started)
@@ -256,6 +421,7 @@ class KVProducerServicer:
             bytes_sent=end.bytes_sent,
             delivery_id=end.delivery_id,
             producer_epoch=self._lot.epoch,
+            transport=transport,
         )
         return wire.encode_done(done)
 
@@ -350,7 +516,7 @@ def _uncancel_wakeup(task: asyncio.Task[Any]) -> bool:
 _WAKEUP = "kvpark: Park batch ended from outside its call"
 
 
-async def _parse_park(context: Any, raw: bytes) -> pb.ParkHeader | wire.ChunkView | pb.ParkCommit:
+async def _parse_park(context: Any, raw: bytes) -> wire.ParkMessage:
     try:
         message = wire.parse_park_request(raw)
     except wire.WireError as exc:

@@ -20,8 +20,8 @@ field numbers outside protobuf's range. A property test holds the two readings t
 
 Field numbers (protos/kvpark/v1/kvpark.proto):
   Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
-  FetchResponse { chunk = 1; done = 2 }
-  ParkRequest   { header = 1; chunk = 2; commit = 3 }
+  FetchResponse { chunk = 1; done = 2; data_offer = 3; placed = 4 }
+  ParkRequest   { header = 1; chunk = 2; commit = 3; chunk_ref = 4 }
 """
 
 from __future__ import annotations
@@ -226,29 +226,40 @@ def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
     return message
 
 
-def parse_park_request(
-    buf: bytes | memoryview,
-) -> pb.ParkHeader | ChunkView | pb.ParkCommit | None:
-    """A ParkRequest as its header or commit (generated messages) or its chunk (a view); None
+# The small oneof members, parsed by the generated classes.
+_PARK_MESSAGES: dict[str, Any] = {
+    "header": pb.ParkHeader,
+    "commit": pb.ParkCommit,
+    "chunk_ref": pb.ChunkRef,
+}
+_FETCH_MESSAGES: dict[str, Any] = {
+    "done": pb.TransferDone,
+    "data_offer": pb.DataOffer,
+    "placed": pb.ChunkPlaced,
+}
+ParkMessage = pb.ParkHeader | ChunkView | pb.ParkCommit | pb.ChunkRef
+FetchMessage = ChunkView | pb.TransferDone | pb.DataOffer | pb.ChunkPlaced
+
+
+def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
+    """A ParkRequest as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit"})
+    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit", 4: "chunk_ref"})
     if name == "chunk":
         return parse_chunk(*bodies)
-    if name == "header":
-        header: pb.ParkHeader = _merged(pb.ParkHeader, bodies)
-        return header
-    if name == "commit":
-        commit: pb.ParkCommit = _merged(pb.ParkCommit, bodies)
-        return commit
+    if name:
+        message: ParkMessage = _merged(_PARK_MESSAGES[name], bodies)
+        return message
     return None
 
 
-def parse_fetch_response(buf: bytes | memoryview) -> ChunkView | pb.TransferDone | None:
-    """A FetchResponse as its chunk (a view) or its TransferDone; None when no member is set."""
-    name, bodies = _oneof(buf, {1: "chunk", 2: "done"})
+def parse_fetch_response(buf: bytes | memoryview) -> FetchMessage | None:
+    """A FetchResponse as its chunk (a view) or its other member (a generated message); None
+    when no member is set."""
+    name, bodies = _oneof(buf, {1: "chunk", 2: "done", 3: "data_offer", 4: "placed"})
     if name == "chunk":
         return parse_chunk(*bodies)
-    if name == "done":
-        done: pb.TransferDone = _merged(pb.TransferDone, bodies)
-        return done
+    if name:
+        message: FetchMessage = _merged(_FETCH_MESSAGES[name], bodies)
+        return message
     return None

@@ -22,6 +22,13 @@ class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_TOMBSTONED: _ClassVar[State]
     STATE_DELIVERED: _ClassVar[State]
 
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_GRPC: _ClassVar[Transport]
+    TRANSPORT_TCP: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+
 class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REASON_UNSPECIFIED: _ClassVar[FailureReason]
@@ -49,6 +56,10 @@ STATE_PARKED: State
 STATE_BOUND: State
 STATE_TOMBSTONED: State
 STATE_DELIVERED: State
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_GRPC: Transport
+TRANSPORT_TCP: Transport
+TRANSPORT_SHM: Transport
 REASON_UNSPECIFIED: FailureReason
 REASON_REAPED: FailureReason
 REASON_UNKNOWN_ID: FailureReason
@@ -77,14 +88,28 @@ class Chunk(_message.Message):
     def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("kv_request_id", "total_chunks", "batch_bytes")
+    __slots__ = ("kv_request_id", "total_chunks", "batch_bytes", "shm_lend_id")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_LEND_ID_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     total_chunks: int
     batch_bytes: int
-    def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ...) -> None: ...
+    shm_lend_id: str
+    def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ..., shm_lend_id: _Optional[str] = ...) -> None: ...
+
+class ChunkRef(_message.Message):
+    __slots__ = ("chunk_id", "crc32c", "offset", "nbytes")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    crc32c: int
+    offset: int
+    nbytes: int
+    def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ParkCommit(_message.Message):
     __slots__ = ("chunks", "bytes")
@@ -95,14 +120,16 @@ class ParkCommit(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ParkRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit")
+    __slots__ = ("header", "chunk", "commit", "chunk_ref")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_REF_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
     chunk: Chunk
     commit: ParkCommit
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ...) -> None: ...
+    chunk_ref: ChunkRef
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ..., chunk_ref: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
     __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s", "bytes_parked", "total_chunks", "advertise_address")
@@ -129,27 +156,63 @@ class ParkResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s")
+    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_LEND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     chunk_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_epoch: int
     wait_timeout_s: float
-    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
+    accept_transports: _containers.RepeatedScalarFieldContainer[Transport]
+    shm_lend_id: str
+    shm_offset: int
+    shm_length: int
+    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., accept_transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_lend_id: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("chunk", "done")
+    __slots__ = ("chunk", "done", "data_offer", "placed")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFER_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
     chunk: Chunk
     done: TransferDone
-    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+    data_offer: DataOffer
+    placed: ChunkPlaced
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., data_offer: _Optional[_Union[DataOffer, _Mapping]] = ..., placed: _Optional[_Union[ChunkPlaced, _Mapping]] = ...) -> None: ...
+
+class DataOffer(_message.Message):
+    __slots__ = ("transport", "address", "ticket", "tls")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    address: str
+    ticket: bytes
+    tls: bool
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class ChunkPlaced(_message.Message):
+    __slots__ = ("chunk_id", "crc32c", "offset", "nbytes")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    crc32c: int
+    offset: int
+    nbytes: int
+    def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent", "delivery_id", "producer_epoch")
+    __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent", "delivery_id", "producer_epoch", "transport")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +220,7 @@ class TransferDone(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: FailureReason
     detail: str
@@ -164,7 +228,8 @@ class TransferDone(_message.Message):
     bytes_sent: int
     delivery_id: int
     producer_epoch: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., delivery_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., delivery_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("kv_request_ids", "extend_s")
@@ -235,7 +300,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s", "park_idle_timeout_s", "delivery_grace_s", "fetch_stall_timeout_s", "max_batch_bytes", "advertise_address")
+    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s", "park_idle_timeout_s", "delivery_grace_s", "fetch_stall_timeout_s", "max_batch_bytes", "advertise_address", "data_address", "data_tls", "shm_socket")
     PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +316,9 @@ class ServerInfo(_message.Message):
     FETCH_STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_TLS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     producer_epoch: int
     version: str
     pool_bytes: int
@@ -266,4 +334,7 @@ class ServerInfo(_message.Message):
     fetch_stall_timeout_s: float
     max_batch_bytes: int
     advertise_address: str
-    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ..., park_idle_timeout_s: _Optional[float] = ..., delivery_grace_s: _Optional[float] = ..., fetch_stall_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+    data_address: str
+    data_tls: bool
+    shm_socket: str
+    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ..., park_idle_timeout_s: _Optional[float] = ..., delivery_grace_s: _Optional[float] = ..., fetch_stall_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., advertise_address: _Optional[str] = ..., data_address: _Optional[str] = ..., data_tls: _Optional[bool] = ..., shm_socket: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,127 @@
+"""The consumer's end of a TRANSPORT_TCP load: connect, present the ticket, read frames
+straight into the destination (kvpark.tcp_frames), and let the session check each chunk.
+
+It runs on the calling thread (sync client) or a worker thread (async client): `recv_into`
+and the CRC release the GIL. The gRPC call stays open beside it; its TransferDone still says
+how the transfer ended, and a cancel of that call still tells the producer to stop.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+from kvpark.address import Address
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.tcp_frames import (
+    ACCEPTED,
+    FrameError,
+    recv_exactly,
+    recv_header,
+    recv_payload,
+)
+
+from ._result import Reason
+from ._session import LoadSession, Step
+
+# Connecting and the ticket exchange must not take long: the producer's stall bound waits for
+# the connection, and a path that does not work should fall back while there is time.
+CONNECT_TIMEOUT_S = 5.0
+_URI_PREFIXES = ("dns:///", "dns:", "ipv4:", "ipv6:")
+
+
+class Fallback(Exception):
+    """The data path failed before its first byte: the load goes on over the gRPC stream."""
+
+
+def host_of(target: str) -> str | None:
+    """The host a gRPC target dials (for a DataOffer that names only a port), or None."""
+    for prefix in _URI_PREFIXES:
+        if target.startswith(prefix):
+            target = target[len(prefix) :]
+            break
+    try:
+        return Address.parse(target).host
+    except ValueError:
+        return None
+
+
+class TcpReceiver:
+    """One data connection. `abort()` (from another thread) ends a `run` in progress."""
+
+    def __init__(self, offer: pb.DataOffer, target: str, tls: ssl.SSLContext | None) -> None:
+        self._offer = offer
+        self._target = target
+        self._tls = tls
+        self._sock: socket.socket | None = None
+        self._aborted = False
+
+    def abort(self) -> None:
+        self._aborted = True
+        sock = self._sock
+        if sock is not None:
+            sock.close()
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        """The data connection, ticket accepted; Fallback when that cannot be had."""
+        offer = self._offer
+        text = offer.address
+        if text.startswith(":"):  # the host this client dials for the gRPC call
+            host = host_of(self._target)
+            if host is None:
+                raise Fallback(f"cannot tell the producer's host from {self._target!r}")
+            text = str(Address(host, 0))[: -len(":0")] + text
+        try:
+            address = Address.parse(text)
+        except ValueError as exc:
+            raise Fallback(f"bad data address {offer.address!r}: {exc}") from None
+        if offer.tls and self._tls is None:
+            raise Fallback("the data connection needs TLS and the client has no data_tls")
+        try:
+            sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if offer.tls and self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=address.host)
+            self._sock = sock
+            sock.sendall(offer.ticket)
+            answer = bytearray(1)
+            recv_exactly(sock, memoryview(answer))
+        except (OSError, ssl.SSLError) as exc:
+            self.abort()
+            raise Fallback(f"data connection to {address}: {exc}") from None
+        if bytes(answer) != ACCEPTED:
+            self.abort()
+            raise Fallback(f"data connection to {address}: the ticket was not accepted")
+        return sock
+
+    def run(self, session: LoadSession) -> Step:
+        """Reads every frame into the session's destination. CONTINUE: read the gRPC stream
+        on for the outcome; ABANDON: the session gave up (cancel the call). Raises Fallback
+        before the first byte, BufferTooSmallError as `place` does."""
+        remaining = session.remaining_s()
+        sock = self._connect(min(CONNECT_TIMEOUT_S, remaining or CONNECT_TIMEOUT_S))
+        try:
+            sock.settimeout(session.remaining_s())
+            while True:
+                header = recv_header(sock)
+                if header is None:
+                    return Step.CONTINUE  # the producer is done: the TransferDone says how
+                chunk_id, crc32c, nbytes = header
+                refused = session.expected_chunk(chunk_id)
+                if refused is not None:
+                    return refused
+                parts = session.parts_for(chunk_id, nbytes)
+                recv_payload(sock, parts, nbytes)
+                step = session.landed(chunk_id, crc32c, parts, nbytes)
+                if step is not Step.CONTINUE:
+                    return step
+        except TimeoutError:
+            return session.give_up(Reason.TIMEOUT, "load timeout on the data connection")
+        except (OSError, FrameError):
+            if self._aborted:
+                return Step.ABANDON
+            # The producer broke the connection (it failed the transfer, or died): the gRPC
+            # call tells which.
+            return Step.CONTINUE
+        finally:
+            self.abort()

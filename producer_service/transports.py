@@ -1,0 +1,142 @@
+"""How a bound Fetch's bytes leave the producer: the three transports, one state machine.
+
+The servicer asks the lot for ready chunks exactly as for the gRPC stream; only the last step
+differs. `GrpcStream` writes each chunk as a message of the call. `TcpStream` writes batches of
+frames to the consumer's data connection (kvpark.tcp_frames) from a worker thread, straight
+from the pool's memoryviews. `ShmStream` copies batches from the pool into the buffer the
+consumer lent (kvpark.producer.shm_lending) on a worker thread, then tells the consumer where
+each chunk landed. Copies and socket writes release the GIL, so the event loop keeps answering
+control calls while bytes move.
+
+A batch is what the lot has ready at once, up to BATCH_BYTES: one thread hop per batch rather
+than per chunk. A batch's views stay valid while it is written: the lot frees a bound id's
+memory only when the whole producer shuts down, and no other id's data goes there meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvpark import wire
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.tcp_frames import send_frame
+
+from .lot import ReadyChunk
+
+# Bytes handed to one worker-thread call: large enough that the hop (~50 µs) is noise, small
+# enough that a cancel or a stall is noticed between batches.
+BATCH_BYTES = 16 * 1024 * 1024
+
+
+class Stalled(Exception):
+    """The consumer took nothing for fetch_stall_timeout_s."""
+
+
+class Destination(Protocol):
+    transport: pb.Transport
+
+    async def send(self, chunks: Sequence[ReadyChunk]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class GrpcStream:
+    """Chunks as messages of the Fetch call itself."""
+
+    transport = pb.TRANSPORT_GRPC
+
+    def __init__(self, context: Any, stall_s: float, on_stall: Any) -> None:
+        self._context = context
+        self._stall_s = stall_s
+        self._on_stall = on_stall
+
+    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+        loop = asyncio.get_running_loop()
+        for step in chunks:
+            frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
+            # A write waits while the consumer's flow-control window is shut. One that reads
+            # nothing for stall_s loses its id (`on_stall`). The write itself is not cancelled:
+            # grpc core cannot take back a message it holds, and a cancelled send can leave
+            # the stream stuck. It ends when the consumer reads or its connection goes.
+            watchdog = loop.call_later(self._stall_s, self._on_stall)
+            try:
+                await self._context.write(frame)
+            finally:
+                watchdog.cancel()
+
+    def close(self) -> None:
+        pass
+
+
+class TcpStream:
+    """Frames on the consumer's data connection, written from a worker thread."""
+
+    transport = pb.TRANSPORT_TCP
+
+    def __init__(self, sock: socket.socket, stall_s: float) -> None:
+        sock.settimeout(stall_s)  # a send that makes no progress this long is a stall
+        self._sock = sock
+
+    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+        try:
+            await asyncio.to_thread(self._write, chunks)
+        except TimeoutError as exc:
+            raise Stalled from exc
+
+    def _write(self, chunks: Sequence[ReadyChunk]) -> None:
+        for step in chunks:
+            send_frame(self._sock, step.chunk_id, step.crc32c, step.views)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ShmStream:
+    """Copies into the consumer's lent buffer, back to back from an offset, then one small
+    ChunkPlaced message per chunk on the call."""
+
+    transport = pb.TRANSPORT_SHM
+
+    def __init__(self, context: Any, target: memoryview, *, limit: int) -> None:
+        self._context = context
+        self._target = np.frombuffer(target, dtype=np.uint8)
+        self._pos = 0
+        self._limit = limit
+
+    def room_for(self, chunks: Sequence[ReadyChunk]) -> ReadyChunk | None:
+        """The first chunk that would not fit in the lent range, or None."""
+        pos = self._pos
+        for step in chunks:
+            pos += step.nbytes
+            if pos > self._limit:
+                return step
+        return None
+
+    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+        start = self._pos
+        await asyncio.to_thread(self._copy, chunks, start)
+        pos = start
+        for step in chunks:
+            placed = pb.ChunkPlaced(
+                chunk_id=step.chunk_id, crc32c=step.crc32c, offset=pos, nbytes=step.nbytes
+            )
+            await self._context.write(pb.FetchResponse(placed=placed).SerializeToString())
+            pos += step.nbytes
+        self._pos = pos
+
+    def _copy(self, chunks: Sequence[ReadyChunk], pos: int) -> None:
+        target = self._target
+        for step in chunks:
+            for view in step.views:
+                n = len(view)
+                # numpy copies with the GIL released: the event loop runs meanwhile.
+                np.copyto(target[pos : pos + n], np.frombuffer(view, dtype=np.uint8))
+                pos += n
+
+    def close(self) -> None:
+        pass
