@@ -19,6 +19,8 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
@@ -102,6 +104,7 @@ class AsyncKVConsumer(ClientBase):
         confirm: bool = True,
         transport: Transport = "auto",
         data_tls: ssl.SSLContext | None = None,
+        shm_socket: str | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -112,7 +115,12 @@ class AsyncKVConsumer(ClientBase):
             max_chunk_bytes=max_chunk_bytes,
         )
         self._core = ClientCore(
-            settings, timeout=timeout, confirm=confirm, transport=transport, data_tls=data_tls
+            settings,
+            timeout=timeout,
+            confirm=confirm,
+            transport=transport,
+            data_tls=data_tls,
+            shm_socket=shm_socket,
         )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -135,6 +143,7 @@ class AsyncKVConsumer(ClientBase):
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         channel, self._channel = self._channel, None
+        self._core.shm.close()
         if channel is not None:
             await channel.close()
 
@@ -252,6 +261,12 @@ class AsyncKVConsumer(ClientBase):
         reply = await self._unary("Release", request, timeout)
         return ReleaseResult.from_proto(request.kv_request_id, reply)
 
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A numpy array of `nbytes` in shared memory: load into it (or a slice of it) and,
+        on the producer's host, the producer copies each chunk straight there (one copy).
+        It lives until the client closes."""
+        return self._core.shm.shared_buffer(nbytes)
+
     def keep_alive(
         self,
         kv_request_ids: Iterable[str] = (),
@@ -331,6 +346,8 @@ class AsyncKVConsumer(ClientBase):
                 ended = True
         except grpc.aio.AioRpcError as exc:
             ended = True
+            if session.refused_out_of_band(exc.code()):
+                raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         except asyncio.CancelledError:
             if caller_cancelled():

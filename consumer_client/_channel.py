@@ -9,7 +9,7 @@ the decode side and the prefill side.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -39,7 +39,9 @@ RECONNECT_BACKOFF_MS = (100, 2_000)  # initial, max
 @dataclass(frozen=True, slots=True)
 class ChannelSettings:
     target: str
-    metadata: tuple[tuple[str, str], ...] | None
+    # The bearer token, kept out of every repr (it also goes to the shm socket).
+    token: str | None = field(repr=False)
+    metadata: tuple[tuple[str, str], ...] | None = field(repr=False)
     credentials: grpc.ChannelCredentials | None
     options: tuple[tuple[str, Any], ...]
     interceptors: tuple[Any, ...]
@@ -84,6 +86,7 @@ class ChannelSettings:
         options.update(dict(channel_options))  # the caller's options win
         return cls(
             target=target,
+            token=token,
             metadata=(("authorization", f"Bearer {token}"),) if token else None,
             credentials=credentials,
             options=tuple(options.items()),

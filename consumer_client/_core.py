@@ -25,13 +25,15 @@ import grpc
 
 from kvpark.ids import check_id
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.shm import FETCH_ROLE
 
-from ._buffers import destination_for
+from ._buffers import Destination, IntoBuffer, destination_for
 from ._channel import ChannelSettings
 from ._errors import ClientClosedError, LoadFailedError, UsageError
 from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
-from ._session import LoadSession, OnChunk
+from ._session import LoadSession, OnChunk, ShmTarget
+from ._shm import ShmAccess
 from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
 
 log = logging.getLogger("kvpark.client")
@@ -74,6 +76,8 @@ class ClientCore:
         confirm: bool,
         transport: str = "auto",
         data_tls: ssl.SSLContext | None = None,
+        shm_socket: str | None = None,
+        role: str = FETCH_ROLE,
     ) -> None:
         if not isinstance(confirm, bool):
             raise UsageError(f"confirm: expected True or False, got {confirm!r}")
@@ -86,6 +90,13 @@ class ClientCore:
         self.transport = transport
         self.data_tls = data_tls
         self.channel = channel
+        self.shm = ShmAccess(
+            shm_socket,
+            channel.token,
+            role,
+            producer_epoch=lambda: self.info.producer_epoch if self.info else None,
+            advertised_path=lambda: self.info.shm_socket if self.info else None,
+        )
         self.timeout = to_timeout(timeout)
         self.confirm = confirm
         self.info: ProducerInfo | None = None
@@ -203,16 +214,41 @@ class ClientCore:
             raise UsageError("on_chunk: expected a callable")
         load_timeout = resolve(timeout, self.timeout)
         self.check_timeout(load_timeout)
+        destination = destination_for(into)
+        shm = self._shm_target(into, destination)
+        accept = self.accept_transports()
         return LoadSession(
             kv_request_id=kid,
             chunk_ids=ids,
-            destination=destination_for(into),
+            destination=destination,
             timeout=load_timeout,
             expected_epoch=expected_epoch,
             wait_timeout_s=wait,
             on_chunk=on_chunk,
-            accept=self.accept_transports(),
+            accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
+            shm=shm,
         )
+
+    def _shm_target(self, into: Any, destination: Destination) -> ShmTarget | None:
+        """Where a load's chunks land over shared memory: `into` itself when it lies in a
+        buffer this client lent (one copy, by the producer), else a lent staging buffer (one
+        copy more, by the client); None when shared memory is not for this load."""
+        if self.transport not in ("auto", "shm") or not isinstance(destination, IntoBuffer):
+            return None
+        lent = self.shm.lend_of(destination.array_view)
+        if lent is not None:
+            lend_id, view, offset, length = lent
+            return ShmTarget(lend_id, view, offset, length, direct=True)
+        capacity = destination.capacity or 0
+        staged = self.shm.staging(capacity)
+        if staged is None:
+            return None
+        lend_id, view, _buffer = staged
+        return ShmTarget(lend_id, view, 0, capacity, direct=False)
+
+    @property
+    def uses_shm(self) -> bool:
+        return self.transport in ("auto", "shm")
 
     def accept_transports(self) -> tuple[pb.Transport, ...]:
         """What a Fetch offers to take, best first (the producer picks what it has). TCP goes
@@ -225,6 +261,8 @@ class ClientCore:
         return (*accept, pb.TRANSPORT_GRPC)
 
     def finish_load(self, session: LoadSession) -> LoadResult:
+        if session.shm is not None and not session.shm.direct:
+            self.shm.unstage()
         info = self.info
         result = session.result(info.producer_epoch if info else None)
         self.note_status(result.grpc_code, result.reason)

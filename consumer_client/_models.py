@@ -91,6 +91,11 @@ class ProducerInfo:
     fetch_stall_timeout_s: float
     max_batch_bytes: int
     advertise_address: str
+    # The out-of-band transports it offers: the TCP data address (":port" = the host dialed)
+    # and whether it runs TLS, and the shm socket path; empty when not offered.
+    data_address: str
+    data_tls: bool
+    shm_socket: str
 
     @classmethod
     def from_proto(cls, msg: Any) -> ProducerInfo:
@@ -110,6 +115,9 @@ class ProducerInfo:
             fetch_stall_timeout_s=msg.fetch_stall_timeout_s,
             max_batch_bytes=msg.max_batch_bytes,
             advertise_address=msg.advertise_address,
+            data_address=msg.data_address,
+            data_tls=msg.data_tls,
+            shm_socket=msg.shm_socket,
         )
 
 

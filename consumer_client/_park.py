@@ -15,7 +15,7 @@ chunk (a gather list: a chunk that is several pieces of a paged KV cache).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +26,9 @@ from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import byte_view
-from ._errors import UsageError, classify_status, error_for
+from ._errors import StatusRule, UsageError, classify_status, error_for
 from ._result import ParkResult, Reason
+from ._shm import ShmAccess
 
 _UINT32_MAX = 2**32 - 1
 # POOL_FULL retries back off from this wait, doubling, never beyond the producer's
@@ -89,6 +90,53 @@ def _as_pair(index: int, item: Any) -> tuple[object, ChunkPayload]:
     return index, item
 
 
+@dataclass(frozen=True, slots=True)
+class ShmPlan:
+    """How a `park()` goes over shared memory: the lend its header names, each chunk's offset
+    in that buffer, and whether the client staged (copied) the chunks there."""
+
+    lend_id: str
+    offsets: list[int]
+    staged: bool
+
+
+def plan_shm(shm: ShmAccess, chunks: list[PreparedChunk]) -> ShmPlan | None:
+    """Chunks that all lie in one lent buffer go by reference; otherwise they are copied into
+    a lent staging buffer. None when shared memory cannot be used."""
+    found = [shm.lend_of(c.parts[0]) if len(c.parts) == 1 else None for c in chunks]
+    lend_ids = {f[0] for f in found if f is not None}
+    if None not in found and len(lend_ids) == 1:
+        return ShmPlan(lend_ids.pop(), [f[2] for f in found if f is not None], staged=False)
+    staged = shm.staging(sum(c.nbytes for c in chunks))
+    if staged is None:
+        return None
+    lend_id, view, _buffer = staged
+    offsets, pos = [], 0
+    for chunk in chunks:
+        offsets.append(pos)
+        for part in chunk.parts:  # the staging copy: memory that is not in a shared buffer
+            view[pos : pos + len(part)] = part
+            pos += len(part)
+    return ShmPlan(lend_id, offsets, staged=True)
+
+
+def batch_frames(
+    frames: ParkFrames, chunks: list[PreparedChunk], plan: ShmPlan | None
+) -> Iterator[bytes]:
+    """Every frame of one `park()` call: header, chunks (inline or by reference), commit."""
+    yield frames.header
+    for i, chunk in enumerate(chunks):
+        yield frames.chunk_ref(chunk, plan.offsets[i]) if plan else frames.chunk(chunk)
+    yield frames.commit()
+
+
+def crc_of(chunk: PreparedChunk) -> int:
+    crc = 0
+    for part in chunk.parts:
+        crc = crc32c_of(part, crc)
+    return crc
+
+
 def check_total(total_chunks: int | None) -> int:
     if total_chunks is None:
         return 0
@@ -106,22 +154,43 @@ def check_batch_bytes(batch_bytes: int) -> int:
 
 
 class ParkFrames:
-    """The frames of one batch, and the counts its commit must carry."""
+    """The frames of one batch, and the counts its commit must carry. With a `lend_id`, the
+    header names a buffer this client lent, and chunks in it go as ChunkRefs."""
 
-    def __init__(self, kv_request_id: str, total_chunks: int, batch_bytes: int) -> None:
+    def __init__(
+        self, kv_request_id: str, total_chunks: int, batch_bytes: int, lend_id: str = ""
+    ) -> None:
         self.kv_request_id = kv_request_id
-        self.header = wire.encode_park_header(kv_request_id, total_chunks, batch_bytes)
+        self.total_chunks = total_chunks
+        self.batch_bytes = batch_bytes
+        self.lend_id = lend_id
         self.chunks = 0
         self.nbytes = 0
 
+    @property
+    def header(self) -> bytes:
+        header = pb.ParkHeader(
+            kv_request_id=self.kv_request_id,
+            total_chunks=self.total_chunks,
+            batch_bytes=self.batch_bytes,
+            shm_lend_id=self.lend_id,
+        )
+        return pb.ParkRequest(header=header).SerializeToString()
+
     def chunk(self, chunk: PreparedChunk) -> bytes:
         """A chunk's frame: its CRC32C over the caller's memory, then one copy into the frame."""
-        crc = 0
-        for part in chunk.parts:
-            crc = crc32c_of(part, crc)
         self.chunks += 1
         self.nbytes += chunk.nbytes
-        return wire.encode_park_chunk(chunk.chunk_id, crc, chunk.parts)
+        return wire.encode_park_chunk(chunk.chunk_id, crc_of(chunk), chunk.parts)
+
+    def chunk_ref(self, chunk: PreparedChunk, offset: int) -> bytes:
+        """A chunk already in the lent buffer at `offset`: only where it is and its CRC32C."""
+        self.chunks += 1
+        self.nbytes += chunk.nbytes
+        ref = pb.ChunkRef(
+            chunk_id=chunk.chunk_id, crc32c=crc_of(chunk), offset=offset, nbytes=chunk.nbytes
+        )
+        return pb.ParkRequest(chunk_ref=ref).SerializeToString()
 
     def commit(self) -> bytes:
         return wire.encode_park_commit(self.chunks, self.nbytes)
@@ -140,7 +209,7 @@ class ParkOutcome:
     def remaining_s(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - self._clock())
 
-    def answered(self, reply: pb.ParkResponse) -> ParkResult:
+    def answered(self, reply: pb.ParkResponse, transport: str = "grpc") -> ParkResult:
         self.attempts += 1
         ok = reply.status == pb.STATUS_OK
         return ParkResult(
@@ -157,14 +226,20 @@ class ParkOutcome:
             advertise_address=reply.advertise_address,
             attempts=self.attempts,
             elapsed_s=self._clock() - self.started,
+            transport=transport,
         )
 
-    def failed(self, code: grpc.StatusCode | None, details: str) -> ParkResult:
+    def failed(
+        self, code: grpc.StatusCode | None, details: str, *, quiet: bool = False
+    ) -> ParkResult:
         """The call ended with an error status: a value for transport failures, an exception
-        for statuses that mean misuse or misconfiguration (as for loads)."""
+        for statuses that mean misuse or misconfiguration (as for loads). `quiet`: an
+        INVALID_ARGUMENT is a value too (a shared-memory park the caller retries inline)."""
         self.attempts += 1
         rule = classify_status(code)
-        if rule.load_reason is None:
+        if quiet and code == grpc.StatusCode.INVALID_ARGUMENT:
+            rule = StatusRule(code, Reason.RPC_ERROR, rule.error)
+        elif rule.load_reason is None:
             raise error_for(code, details, f"Park {self.kv_request_id!r}")
         return ParkResult(
             kv_request_id=self.kv_request_id,

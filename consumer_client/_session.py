@@ -187,6 +187,15 @@ class LoadSession:
         return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with nothing in it")
 
     # ------------------------------------------------------------- out-of-band transports
+    def refused_out_of_band(self, code: grpc.StatusCode | None) -> bool:
+        """True when the producer refused this load's lent buffer before any byte moved (it
+        does not hold it: another process, or released): the load goes on over gRPC."""
+        return (
+            self.shm is not None
+            and code == grpc.StatusCode.INVALID_ARGUMENT
+            and self.chunks_loaded == 0
+        )
+
     def expected_chunk(self, chunk_id: int) -> Step | None:
         """None when `chunk_id` is the next requested chunk, else the step of giving up."""
         index = self.chunks_loaded

@@ -21,6 +21,8 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
@@ -98,6 +100,7 @@ class KVConsumer(ClientBase):
         confirm: bool = True,
         transport: Transport = "auto",
         data_tls: ssl.SSLContext | None = None,
+        shm_socket: str | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -108,7 +111,12 @@ class KVConsumer(ClientBase):
             max_chunk_bytes=max_chunk_bytes,
         )
         self._core = ClientCore(
-            settings, timeout=timeout, confirm=confirm, transport=transport, data_tls=data_tls
+            settings,
+            timeout=timeout,
+            confirm=confirm,
+            transport=transport,
+            data_tls=data_tls,
+            shm_socket=shm_socket,
         )
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
@@ -132,6 +140,7 @@ class KVConsumer(ClientBase):
             channel, self._channel = self._channel, None
         if confirmer is not None:
             confirmer.shutdown(wait=False, cancel_futures=True)
+        self._core.shm.close()
         if channel is not None:
             channel.close()
 
@@ -245,6 +254,12 @@ class KVConsumer(ClientBase):
             request.kv_request_id, self._unary("Release", request, timeout)
         )
 
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A numpy array of `nbytes` in shared memory: load into it (or a slice of it) and,
+        on the producer's host, the producer copies each chunk straight there (one copy).
+        It lives until the client closes."""
+        return self._core.shm.shared_buffer(nbytes)
+
     def keep_alive(
         self,
         kv_request_ids: Iterable[str] = (),
@@ -327,6 +342,8 @@ class KVConsumer(ClientBase):
                 ended = True
         except grpc.RpcError as exc:
             ended = True
+            if session.refused_out_of_band(exc.code()):
+                raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         finally:
             watchdog.disarm()

@@ -32,22 +32,28 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
+from kvpark.shm import PARK_ROLE
 
 from ._async import caller_cancelled
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
-from ._core import SERVICE, ClientBase, ClientCore, release_request, valid_id
+from ._core import SERVICE, ClientBase, ClientCore, Transport, release_request, valid_id
 from ._errors import UsageError, error_from_rpc
 from ._models import ProducerInfo, ReleaseResult
 from ._park import (
     Chunks,
     ParkFrames,
     ParkOutcome,
+    ShmPlan,
+    batch_frames,
     check_batch_bytes,
     check_total,
     monotonic,
+    plan_shm,
     prepare,
     prepare_all,
 )
@@ -96,11 +102,22 @@ class KVParker(ClientBase):
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        transport: Transport = "auto",
+        shm_socket: str | None = None,
     ) -> None:
         settings = _settings(
             target, token, credentials, channel_options, interceptors, max_chunk_bytes
         )
-        self._core = ClientCore(settings, timeout=timeout, confirm=False)
+        if transport == "tcp":
+            raise UsageError("transport: Park goes over the gRPC stream or shared memory")
+        self._core = ClientCore(
+            settings,
+            timeout=timeout,
+            confirm=False,
+            transport=transport,
+            shm_socket=shm_socket,
+            role=PARK_ROLE,
+        )
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
@@ -111,8 +128,14 @@ class KVParker(ClientBase):
         with self._lock:
             self._core.closed = True
             channel, self._channel = self._channel, None
+        self._core.shm.close()
         if channel is not None:
             channel.close()
+
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A numpy array of `nbytes` in shared memory: build KV in it and park views of it,
+        and on the producer's host the producer copies it from there (one copy, no gRPC)."""
+        return self._core.shm.shared_buffer(nbytes)
 
     def __enter__(self) -> KVParker:
         self._core.check_open()
@@ -150,22 +173,30 @@ class KVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
-        while True:
-            frames = ParkFrames(kid, total, size)
+        plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
+        try:
+            while True:
+                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
+                result = self._call(outcome, iter(batch_frames(frames, prepared, plan)), plan)
+                if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+                    self._unplan(plan)
+                    plan = None  # the producer holds no such lend: inline
+                    continue
+                wait = outcome.retry_wait_s(result)
+                if wait is None:
+                    return result
+                time.sleep(wait)
+        finally:
+            if plan is not None:
+                self._unplan(plan)
 
-            def requests(frames: ParkFrames = frames) -> Iterator[bytes]:
-                yield frames.header
-                for chunk in prepared:
-                    yield frames.chunk(chunk)
-                yield frames.commit()
+    def _unplan(self, plan: ShmPlan) -> None:
+        if plan.staged:
+            self._core.shm.unstage()
 
-            result = self._call(outcome, requests())
-            wait = outcome.retry_wait_s(result)
-            if wait is None:
-                return result
-            time.sleep(wait)
-
-    def _call(self, outcome: ParkOutcome, requests: Iterator[bytes]) -> ParkResult:
+    def _call(
+        self, outcome: ParkOutcome, requests: Iterator[bytes], plan: ShmPlan | None
+    ) -> ParkResult:
         _, park = self._stubs()
         try:
             raw = park(
@@ -174,8 +205,8 @@ class KVParker(ClientBase):
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.CANCELLED:
                 self._core.check_open()
-            return outcome.failed(exc.code(), exc.details() or "")
-        return outcome.answered(pb.ParkResponse.FromString(raw))
+            return outcome.failed(exc.code(), exc.details() or "", quiet=plan is not None)
+        return outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
 
     def batch(
         self,
@@ -324,11 +355,22 @@ class AsyncKVParker(ClientBase):
         channel_options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[Any] = (),
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        transport: Transport = "auto",
+        shm_socket: str | None = None,
     ) -> None:
         settings = _settings(
             target, token, credentials, channel_options, interceptors, max_chunk_bytes
         )
-        self._core = ClientCore(settings, timeout=timeout, confirm=False)
+        if transport == "tcp":
+            raise UsageError("transport: Park goes over the gRPC stream or shared memory")
+        self._core = ClientCore(
+            settings,
+            timeout=timeout,
+            confirm=False,
+            transport=transport,
+            shm_socket=shm_socket,
+            role=PARK_ROLE,
+        )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._park: Any = None
@@ -337,8 +379,13 @@ class AsyncKVParker(ClientBase):
         """Closes the channel: parks in flight end and are undone by the producer. Idempotent."""
         self._core.closed = True
         channel, self._channel = self._channel, None
+        self._core.shm.close()
         if channel is not None:
             await channel.close()
+
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """As `KVParker.shared_buffer`."""
+        return self._core.shm.shared_buffer(nbytes)
 
     async def __aenter__(self) -> AsyncKVParker:
         self._core.check_open()
@@ -372,35 +419,47 @@ class AsyncKVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
-        while True:
-            frames = ParkFrames(kid, total, size)
+        plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
+        try:
+            while True:
+                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
 
-            async def requests(frames: ParkFrames = frames) -> AsyncIterator[bytes]:
-                yield frames.header
-                for chunk in prepared:
-                    yield frames.chunk(chunk)
-                yield frames.commit()
+                async def requests(
+                    frames: ParkFrames = frames, plan: ShmPlan | None = plan
+                ) -> AsyncIterator[bytes]:
+                    for frame in batch_frames(frames, prepared, plan):
+                        yield frame
 
-            result = await self._call(outcome, requests())
-            wait = outcome.retry_wait_s(result)
-            if wait is None:
-                return result
-            await asyncio.sleep(wait)
+                result = await self._call(outcome, requests(), plan)
+                if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+                    if plan.staged:
+                        self._core.shm.unstage()
+                    plan = None  # the producer holds no such lend: inline
+                    continue
+                wait = outcome.retry_wait_s(result)
+                if wait is None:
+                    return result
+                await asyncio.sleep(wait)
+        finally:
+            if plan is not None and plan.staged:
+                self._core.shm.unstage()
 
-    async def _call(self, outcome: ParkOutcome, requests: AsyncIterator[bytes]) -> ParkResult:
+    async def _call(
+        self, outcome: ParkOutcome, requests: AsyncIterator[bytes], plan: ShmPlan | None
+    ) -> ParkResult:
         _, park = self._stubs()
         try:
             raw = await park(
                 requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
             )
         except grpc.aio.AioRpcError as exc:
-            return outcome.failed(exc.code(), exc.details() or "")
+            return outcome.failed(exc.code(), exc.details() or "", quiet=plan is not None)
         except asyncio.CancelledError:
             if caller_cancelled():
                 raise
             self._core.check_open()
             return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled")
-        return outcome.answered(pb.ParkResponse.FromString(raw))
+        return outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
 
     def batch(
         self,

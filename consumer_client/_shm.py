@@ -1,0 +1,174 @@
+"""A client's access to its producer's shared memory (TRANSPORT_SHM), shared by consumers and
+parkers: the buffers it lends, and whether lending works at all.
+
+`shared_buffer(nbytes)` hands out a numpy array backed by a sealed memfd (kvpark.shm). The
+first time a load or a park uses one, it is lent to the producer over its `shm_socket` and the
+lend id kept; the producer then copies between that memory and its pool, one copy per byte.
+Memory that is not in such a buffer still works, through a staging buffer the client lends
+for the purpose (one copy more, done by the client).
+
+Shared memory is used only with the producer the client talks gRPC to: the socket's handshake
+names its process epoch, and a client that knows its producer's epoch from ServerInfo refuses a
+socket of another process. A socket that cannot be reached is not tried again for a while, so
+a worker without shared memory pays for the attempt once, not on every load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpark.shm import SharedBuffer, ShmLender, ShmUnavailable, find_shared
+
+from ._errors import UsageError
+
+log = logging.getLogger("kvpark.client")
+
+# How long a client leaves an unreachable shm socket alone before trying again.
+RETRY_AFTER_S = 10.0
+HANDSHAKE_TIMEOUT_S = 2.0
+
+
+class ShmAccess:
+    def __init__(
+        self,
+        socket_path: str | None,
+        token: str | None,
+        role: str,
+        producer_epoch: Callable[[], int | None],
+        advertised_path: Callable[[], str | None],
+    ) -> None:
+        self._path = socket_path
+        self._token = token
+        self._role = role
+        self._producer_epoch = producer_epoch
+        self._advertised_path = advertised_path
+        self._lender: ShmLender | None = None
+        self._lends: dict[int, str] = {}  # id(SharedBuffer) -> its lend id
+        self._buffers: list[SharedBuffer] = []  # handed out by shared_buffer(), closed with us
+        self._staging: SharedBuffer | None = None
+        self._staging_busy = False
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ buffers
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise UsageError(f"shared_buffer: expected a size in bytes > 0, got {nbytes!r}")
+        buffer = SharedBuffer(nbytes)
+        with self._lock:
+            self._buffers.append(buffer)
+        return buffer.array
+
+    def lend_of(self, obj: Any) -> tuple[str, memoryview, int, int] | None:
+        """(lend id, the whole lent buffer, offset, length) when `obj` lies in one of this
+        client's shared buffers and lending works; None otherwise."""
+        found = find_shared(obj)
+        if found is None:
+            return None
+        buffer, offset, length = found
+        lend_id = self._lend(buffer)
+        if lend_id is None:
+            return None
+        return lend_id, buffer.array.data, offset, length
+
+    def staging(self, nbytes: int) -> tuple[str, memoryview, SharedBuffer] | None:
+        """A lent buffer of at least `nbytes` for one call at a time (memory that is not in a
+        shared buffer goes through it), or None when lending does not work or it is busy.
+        Give it back with `unstage`."""
+        with self._lock:
+            if self._staging_busy or self._closed:
+                return None
+            self._staging_busy = True
+            old = self._staging
+        buffer = old
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
+            if old is not None:
+                self._forget(old)
+            with self._lock:
+                self._staging = buffer
+        lend_id = self._lend(buffer)
+        if lend_id is None:
+            self.unstage()
+            return None
+        return lend_id, buffer.array.data, buffer
+
+    def unstage(self) -> None:
+        with self._lock:
+            self._staging_busy = False
+
+    # ------------------------------------------------------------------------------ lending
+    def _lend(self, buffer: SharedBuffer) -> str | None:
+        with self._lock:
+            known = self._lends.get(id(buffer))
+            if known is not None or self._closed:
+                return known
+        lender = self._connected()
+        if lender is None:
+            return None
+        try:
+            lend_id = lender.lend(buffer, self._role)
+        except ShmUnavailable as exc:
+            self._down(f"lending a buffer failed: {exc}")
+            return None
+        with self._lock:
+            self._lends[id(buffer)] = lend_id
+        return lend_id
+
+    def _connected(self) -> ShmLender | None:
+        with self._lock:
+            if self._lender is not None and self._lender.connected:
+                return self._lender
+            if time.monotonic() < self._down_until or self._closed:
+                return None
+            path = self._path or self._advertised_path()
+            if not path:
+                return None
+            lender = ShmLender(path, self._token, HANDSHAKE_TIMEOUT_S)
+        try:
+            epoch = lender.connect()
+        except ShmUnavailable as exc:
+            self._down(f"shm socket {path}: {exc}")
+            return None
+        expected = self._producer_epoch()
+        if expected is not None and epoch != expected:
+            lender.close()
+            self._down(f"shm socket {path} belongs to another producer (epoch {epoch})")
+            return None
+        with self._lock:
+            self._lender, self._lends = lender, {}  # a new connection: earlier lends ended
+        return lender
+
+    def _down(self, why: str) -> None:
+        log.info("kvpark: shared memory not used for %.0fs: %s", RETRY_AFTER_S, why)
+        with self._lock:
+            self._down_until = time.monotonic() + RETRY_AFTER_S
+
+    def _forget(self, buffer: SharedBuffer) -> None:
+        with self._lock:
+            lend_id = self._lends.pop(id(buffer), None)
+            lender = self._lender
+        if lend_id is not None and lender is not None:
+            with contextlib.suppress(ShmUnavailable):
+                lender.release(lend_id)
+        buffer.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            lender, self._lender = self._lender, None
+            buffers, self._buffers = self._buffers, []
+            staging, self._staging = self._staging, None
+        if lender is not None:
+            lender.close()  # ends every lend
+        for buffer in [*buffers, *([staging] if staging else [])]:
+            buffer.close()
