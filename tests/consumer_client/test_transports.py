@@ -1,0 +1,368 @@
+"""Every transport end to end against a real producer: the bytes and their CRC32C, reason codes,
+cancel from either side, a producer killed mid-transfer, tickets that are reused or forged,
+TLS on the data connection, a lent buffer too small, the pool's invariants after each case.
+The state machine is the same whatever moves the bytes, so each case checks the outcome the
+gRPC stream would have given."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import MiB, running_producer, wait_until
+
+from kvpark import BufferTooSmallError, KVConsumer, KVParker, Reason
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES
+
+CHUNK = MiB
+SETTINGS: dict[str, Any] = {
+    "data_listen": "127.0.0.1:0",
+    "max_chunk_bytes": 4 * MiB,
+    "pool_bytes": 128 * MiB,
+}
+
+
+@pytest.fixture
+def shm_socket() -> Iterator[str]:
+    # Unix socket paths are short (107 bytes): pytest's tmp_path can be too long.
+    directory = tempfile.mkdtemp(prefix="kvpark-")
+    yield os.path.join(directory, "shm.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def chunks(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, CHUNK, dtype=np.uint8) for _ in range(n)]
+
+
+def joined(parts: list[np.ndarray]) -> bytes:
+    return b"".join(p.tobytes() for p in parts)
+
+
+def destination(consumer: KVConsumer, transport: str, n: int) -> Any:
+    """Where `n` chunks land: a shared buffer for shared memory, a plain array otherwise."""
+    if transport == "shm":
+        return consumer.shared_buffer(n * CHUNK)
+    return np.zeros(n * CHUNK, np.uint8)
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.to_thread(fn, *args)
+
+
+# ========================================================================= bytes, reasons
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+async def test_every_transport_loads_the_bytes_and_reports_itself(
+    transport: str, shm_socket: str
+) -> None:
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        data = chunks(6, seed=1)
+
+        def run() -> tuple[Any, Any, bytes]:
+            with (
+                KVParker(server.target, shm_socket=shm_socket) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                parked = parker.park("t", data)
+                into = (
+                    c.shared_buffer(6 * CHUNK)
+                    if transport == "shm"
+                    else np.zeros(6 * CHUNK, np.uint8)
+                )
+                return parked, c.load("t", num_chunks=6, into=into), into.tobytes()
+
+        parked, loaded, landed = await in_thread(run)
+        assert parked.ok and parked.transport == "shm"
+        assert loaded.ok and loaded.transport == transport, loaded
+        assert landed == joined(data) and loaded.chunk_sizes == (CHUNK,) * 6
+        await wait_until(lambda: server.pool.statistics().used_bytes == 0, what="confirmed")
+        server.lot.check_invariants()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_out_of_band_transports_answer_the_same_reasons(
+    transport: str, shm_socket: str
+) -> None:
+    """REAPED at once, WAIT_TIMEOUT after a stall, EPOCH_MISMATCH: the same answers in the
+    same round trip, whatever transport was offered."""
+    async with running_producer(
+        **SETTINGS, shm_socket=shm_socket, unbound_store_timeout_s=0.3
+    ) as server:
+
+        def run() -> list[Any]:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                assert parker.park("gone", chunks(1)).ok
+                time_to_reap = time.monotonic() + 5
+                while c.lookup(["gone"])[0].state != "TOMBSTONED":
+                    assert time.monotonic() < time_to_reap
+                    time.sleep(0.02)
+                assert parker.park("half", {0: chunks(1)[0]}, total_chunks=2).ok
+                into = (
+                    c.shared_buffer(2 * CHUNK)
+                    if transport == "shm"
+                    else np.zeros(2 * CHUNK, np.uint8)
+                )
+                return [
+                    c.load("gone", num_chunks=1, into=into),
+                    c.load("half", num_chunks=2, into=into, wait_timeout_s=0.2),
+                    c.load("half", num_chunks=2, into=into, expected_epoch=server.epoch ^ 1),
+                ]
+
+        reaped, stalled, mismatch = await in_thread(run)
+        assert reaped.reason is Reason.REAPED and reaped.elapsed_s < 1
+        assert stalled.reason is Reason.WAIT_TIMEOUT and stalled.chunks_loaded == 1
+        assert stalled.transport == transport  # the first chunk came over it
+        assert mismatch.reason is Reason.EPOCH_MISMATCH
+        server.lot.check_invariants()
+
+
+# ===================================================================================== cancel
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
+    transport: str, shm_socket: str
+) -> None:
+    """The client's timeout fires while the bytes flow (a fetch before the last chunk is
+    parked): it cancels, the producer stops, and the id is PARKED again for a retry."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+
+        def run() -> tuple[Any, Any]:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                data = chunks(4, seed=3)
+                assert parker.park("c", {i: data[i] for i in range(3)}, total_chunks=4).ok
+                into = (
+                    c.shared_buffer(4 * CHUNK)
+                    if transport == "shm"
+                    else np.zeros(4 * CHUNK, np.uint8)
+                )
+                cut = c.load("c", num_chunks=4, into=into, timeout=0.5)
+                assert parker.park("c", {3: data[3]}, total_chunks=4).ok
+                return cut, c.load("c", num_chunks=4, into=into)
+
+        cut, retried = await in_thread(run)
+        assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 3
+        assert retried.ok and retried.transport == transport
+        server.lot.check_invariants()
+
+
+async def test_the_producer_ending_a_tcp_transfer_says_why_on_the_call() -> None:
+    """The producer fails the transfer mid-way (shutdown): it closes the data connection and
+    the TransferDone on the gRPC call gives the reason; the loaded prefix counts."""
+    async with running_producer(**SETTINGS, shutdown_grace_s=0.2) as server:
+        data = chunks(4, seed=4)
+
+        def park_some() -> None:
+            with KVParker(server.target) as parker:
+                assert parker.park("s", {i: data[i] for i in range(2)}, total_chunks=4).ok
+
+        await in_thread(park_some)
+        consumer = KVConsumer(server.target, transport="tcp")
+        loading = asyncio.ensure_future(
+            in_thread(lambda: consumer.load("s", num_chunks=4, into=np.zeros(4 * CHUNK, np.uint8)))
+        )
+        await wait_until(lambda: server.lot.bound_count == 1, what="bound")
+        await server.shutdown(grace_s=0.1)
+        result = await loading
+        consumer.close()
+        assert result.reason is Reason.SHUTTING_DOWN and result.chunks_loaded == 2
+
+
+_TCP_PRODUCER_KILLED = textwrap.dedent(
+    """
+    import sys, time, numpy as np
+    from kvpark import KVParker
+    with KVParker(sys.argv[1]) as parker:
+        rng = np.random.default_rng(0)
+        chunk = lambda: rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        assert parker.park("k", {i: chunk() for i in range(2)}, total_chunks=8).ok
+    print("parked", flush=True)
+    """
+)
+
+
+def test_a_producer_killed_mid_transfer_ends_the_load_within_two_seconds(
+    producer_process: Any,
+) -> None:
+    """SIGKILL of the producer while a TCP load waits for more chunks: the load ends (the
+    data connection and the call both break) within 2 s with what it had, and the caller
+    falls back."""
+    producer = producer_process(**{**SETTINGS, "data_listen": "127.0.0.1:0"})
+    parked = subprocess.run(
+        [sys.executable, "-c", _TCP_PRODUCER_KILLED, producer.target],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert parked.stdout.strip() == "parked", parked.stderr
+    with KVConsumer(producer.target, transport="tcp", timeout=30) as consumer:
+        killer = __import__("threading").Timer(0.5, producer.proc.send_signal, (signal.SIGKILL,))
+        killer.start()
+        started = time.monotonic()
+        recomputed: list[int] = []
+        report = consumer.load_or_recompute(
+            "k", num_chunks=8, into=np.zeros(8 * MiB, np.uint8), recompute=recomputed.append
+        )
+        elapsed = time.monotonic() - started - 0.5
+        killer.join()
+    assert report.reason in (Reason.UNAVAILABLE, Reason.CANCELLED), report.result
+    assert report.result.chunks_loaded == 2 and recomputed == [2]
+    assert elapsed < 2.0, f"noticed {elapsed:.2f}s after the kill"
+
+
+# ==================================================================================== tickets
+async def test_a_forged_or_reused_ticket_is_refused_with_nothing_sent() -> None:
+    async with running_producer(**SETTINGS) as server:
+        port = server.data_port
+
+        def attempt(ticket: bytes, enough: int = 1 << 62) -> bytes:
+            """What the producer sends back for `ticket`, up to `enough` bytes or its close."""
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(ticket)
+                sock.shutdown(socket.SHUT_WR)  # nothing more comes from this side
+                got = b""
+                while len(got) < enough and (chunk := sock.recv(65536)):
+                    got += chunk
+                return got
+
+        assert await in_thread(attempt, os.urandom(TICKET_BYTES)) == b""  # forged
+        assert await in_thread(attempt, b"short") == b""  # not even a ticket
+        # A real ticket, used twice: the second connection gets nothing.
+        data = chunks(2, seed=5)
+
+        def park() -> None:
+            with KVParker(server.target) as parker:
+                assert parker.park("r", {0: data[0]}, total_chunks=2).ok
+
+        await in_thread(park)
+        import grpc
+
+        from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            request = pb.FetchRequest(kv_request_id="r", accept_transports=[pb.TRANSPORT_TCP])
+            call = pb_grpc.KVProducerStub(channel).Fetch(request)
+            offer = (await call.read()).data_offer
+            first = await in_thread(attempt, offer.ticket, 1 + 16 + CHUNK)
+            assert first[:1] == ACCEPTED and len(first) > CHUNK  # chunk 0's frame came
+            assert await in_thread(attempt, offer.ticket) == b""  # reused
+            call.cancel()
+        assert server.data.refused == 3
+        server.lot.check_invariants()
+
+
+# ======================================================================================= TLS
+async def test_the_data_connection_runs_tls_when_the_producer_does(tmp_path: Path) -> None:
+    import grpc
+    from tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    async with running_producer(
+        **SETTINGS,
+        tls_cert_file=str(certs.server_cert),
+        tls_key_file=str(certs.server_key),
+    ) as server:
+        data = chunks(3, seed=6)
+        ca = certs.ca.read_bytes()
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        options = [("grpc.ssl_target_name_override", "localhost")]
+        context = ssl.create_default_context(cadata=ca.decode())
+        context.check_hostname = False  # the test certificate names localhost, we dial 127.0.0.1
+
+        def run() -> tuple[Any, Any]:
+            with KVParker(server.target, credentials=creds, channel_options=options) as parker:
+                assert parker.park("tls", data).ok
+            with KVConsumer(
+                server.target, credentials=creds, channel_options=options, data_tls=context
+            ) as c:
+                loaded = c.load("tls", num_chunks=3, into=np.zeros(3 * CHUNK, np.uint8))
+                return loaded, c.server_info()
+
+        loaded, info = await in_thread(run)
+        assert info.data_tls and loaded.ok and loaded.transport == "tcp"
+
+
+async def test_without_data_tls_a_tls_producer_is_loaded_over_grpc(tmp_path: Path) -> None:
+    import grpc
+    from tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    async with running_producer(
+        **SETTINGS, tls_cert_file=str(certs.server_cert), tls_key_file=str(certs.server_key)
+    ) as server:
+        creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
+        options = [("grpc.ssl_target_name_override", "localhost")]
+
+        def run() -> Any:
+            with KVParker(server.target, credentials=creds, channel_options=options) as parker:
+                assert parker.park("g", chunks(1)).ok
+            with KVConsumer(server.target, credentials=creds, channel_options=options) as c:
+                return c.load("g", num_chunks=1)
+
+        result = await in_thread(run)
+        assert result.ok and result.transport == "grpc"
+
+
+# ======================================================================== shared memory
+async def test_a_lent_buffer_too_small_is_a_clear_error_and_nothing_is_lost(
+    shm_socket: str,
+) -> None:
+    """The producer refuses to copy a chunk past the lent range (before a byte of it moves),
+    and the load ends with the same misuse error as on any transport: BufferTooSmallError.
+    The id keeps its bytes: a load into a buffer of the right size gets all of them."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        data = chunks(3, seed=7)
+
+        def run() -> tuple[BufferTooSmallError, Any]:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, shm_socket=shm_socket) as c,
+            ):
+                assert parker.park("small", data).ok
+                small = c.shared_buffer(2 * CHUNK)
+                with pytest.raises(BufferTooSmallError) as err:
+                    c.load("small", num_chunks=3, into=small)
+                right = c.shared_buffer(3 * CHUNK)
+                return err.value, (c.load("small", num_chunks=3, into=right), right.tobytes())
+
+        error, (retried, landed) = await in_thread(run)
+        assert (error.needed, error.available) == (3 * CHUNK, 2 * CHUNK)
+        assert retried.ok and retried.transport == "shm" and landed == joined(data)
+        server.lot.check_invariants()
+
+
+async def test_a_lend_the_producer_does_not_hold_falls_back_to_grpc(shm_socket: str) -> None:
+    """A shared buffer lent to another producer process (here: a socket of a second
+    producer) is refused before anything binds, and the load goes on over the gRPC stream."""
+    other = shm_socket + ".other"
+    async with (
+        running_producer(**SETTINGS, shm_socket=shm_socket) as server,
+        running_producer(**SETTINGS, shm_socket=other),
+    ):
+
+        def run() -> Any:
+            with KVParker(server.target) as parker:
+                assert parker.park("f", chunks(2, seed=8)).ok
+            with KVConsumer(server.target, shm_socket=other) as c:
+                return c.load("f", num_chunks=2, into=c.shared_buffer(2 * CHUNK))
+
+        result = await in_thread(run)
+        assert result.ok and result.transport in ("tcp", "grpc")
+        server.lot.check_invariants()
