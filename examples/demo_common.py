@@ -1,19 +1,20 @@
-"""What the compose demo's prefill and decode workers share: settings, ids and synthetic KV.
+"""What the compose demo's prefill and decode workers share: settings, the model, the prompts
+and the request ids.
+
+Both workers run the same reference model (examples/reference_model.py, seeded weights) on the
+same prompts (seeded token ids), as a router would hand one request to both sides. Both derive
+the demo's request ids from the producer's epoch, so the two containers agree on them without
+talking to each other, and a re-run against a restarted producer uses fresh ids.
 
 Both workers are configured from `DEMO_*` environment variables (never `KVPARK_*`: those are
-the producer's, and the producer rejects any it does not know). Both derive the demo's request
-ids from the producer's epoch, so the two containers agree on them without talking to each
-other, and a re-run against a restarted producer uses fresh ids. The KV bytes are
-decode_worker.py's synthetic KV, deterministic per id and chunk, so the decode worker can check
-every byte it loaded and "recompute" a chunk by regenerating it.
+the producer's, and the producer rejects any it does not know):
 
     DEMO_TARGET          producer address (default producer:50051)
     DEMO_PARK_TOKEN      bearer token of the prefill side (Park)
     DEMO_FETCH_TOKEN     bearer token of the decode side (Fetch, KeepAlive, Lookup)
     DEMO_TLS_CA          PEM CA to verify the producer with: turns TLS on
     DEMO_TLS_CERT/_KEY   PEM client certificate and key (mTLS)
-    DEMO_CHUNKS          chunks per request (default 16)
-    DEMO_CHUNK_BYTES     bytes per chunk (default 1 MiB)
+    DEMO_GENERATE        tokens each request decodes greedily (default 16)
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from decode_worker import synthetic_chunk
+import numpy.typing as npt
+from reference_model import ReferenceModel
 
-MiB = 1024 * 1024
-# The three requests the demo walks through, in the order the table prints them.
-NAMES = ("on-time", "late", "queued")
+# The requests the demo walks through, in the order the table prints them, and the length of
+# each one's prompt (64-token chunks: most end in a partial chunk).
+PROMPT_TOKENS = {"on-time": 480, "partial": 500, "late": 256, "queued": 350}
+NAMES = tuple(PROMPT_TOKENS)
+MODEL_SEED = 0
+PROMPT_SEED = 2024
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,7 @@ class Settings:
     tls_ca: str | None
     tls_cert: str | None
     tls_key: str | None
-    chunks: int
-    chunk_bytes: int
+    generate: int
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -56,8 +60,7 @@ class Settings:
             tls_ca=opt("DEMO_TLS_CA"),
             tls_cert=opt("DEMO_TLS_CERT"),
             tls_key=opt("DEMO_TLS_KEY"),
-            chunks=int(env.get("DEMO_CHUNKS", "16")),
-            chunk_bytes=int(env.get("DEMO_CHUNK_BYTES", str(MiB))),
+            generate=int(env.get("DEMO_GENERATE", "16")),
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:
@@ -74,22 +77,23 @@ class Settings:
             certificate_chain=read(self.tls_cert),
         )
 
-    @property
-    def request_bytes(self) -> int:
-        return self.chunks * self.chunk_bytes
+
+def demo_model() -> ReferenceModel:
+    """The model both workers run: same seed, same weights, so the same KV for a prompt."""
+    return ReferenceModel(seed=MODEL_SEED)
+
+
+def prompt(name: str, vocab_size: int) -> npt.NDArray[np.int64]:
+    """The token ids of request `name`'s prompt (seeded, so both workers draw the same)."""
+    rng = np.random.default_rng([PROMPT_SEED, NAMES.index(name)])
+    return rng.integers(0, vocab_size, PROMPT_TOKENS[name], dtype=np.int64)
+
+
+def partial_prefix(num_chunks: int) -> int:
+    """How many chunks of the `partial` request the prefill worker commits: the first half."""
+    return num_chunks // 2
 
 
 def request_ids(epoch: int) -> dict[str, str]:
     """The demo's kv_request_ids for a producer epoch: {"on-time": "demo-<epoch>-on-time", ...}."""
     return {name: f"demo-{epoch:016x}-{name}" for name in NAMES}
-
-
-def fill(into: memoryview | np.ndarray, kv_request_id: str, first: int, settings: Settings) -> int:
-    """Regenerates ("recomputes") chunks first..N-1 into `into`, chunk k at k * chunk_bytes."""
-    view = np.asarray(into, dtype=np.uint8).reshape(-1)
-    size = settings.chunk_bytes
-    for k in range(first, settings.chunks):
-        view[k * size : (k + 1) * size] = np.frombuffer(
-            synthetic_chunk(kv_request_id, k, size), np.uint8
-        )
-    return settings.chunks - first

@@ -1,21 +1,33 @@
-"""Demo decode worker: loads the demo's three requests with the `kvpark` client and prints a table.
+"""Demo decode worker: takes over the demo's requests from the prefill worker and decodes them.
 
-The prefill worker parks three requests (see prefill_worker.py); this worker takes each down a
-different path:
+For each request the worker allocates a block-major KV cache for the reference model
+(examples/reference_model.py), loads the request's parked chunks straight into it with the
+`kvpark` client (`into=layout.destination(cache)`: each verified chunk is copied once, into
+its own block), lets the model prefill only from the first chunk that did not arrive
+(`start_chunk=k`), and decodes a few tokens greedily. The prefill worker (prefill_worker.py)
+parks four requests, and each takes a different path:
 
 - ``on-time``: loaded as soon as it is parked, while its lease runs -> remote.
+- ``partial``: only the first half of its chunks was committed (the prefill worker's batch
+  with the rest was cut off). The worker asks for every chunk and waits at most
+  DEMO_CHUNK_WAIT_S for one that is not there (`wait_timeout_s`, a bound the producer keeps):
+  the first half arrives, then the producer answers WAIT_TIMEOUT, and the model recomputes
+  the rest -> partial.
 - ``late``: left alone until its lease ran out and the producer reaped it; the load is answered
-  REAPED at once (one round trip, not the load timeout) and the worker recomputes it locally.
+  REAPED at once (one round trip, not the load timeout) and the model prefills it all ->
+  recompute.
 - ``queued``: waits in the decode queue longer than the lease, but the worker keeps its lease
   alive with KeepAlive from the moment it learns of the request -> still remote.
 
-Every wait is for a condition the producer reports (Lookup), never a fixed sleep. Every byte
-loaded is compared with the prefill worker's synthetic KV, and "recompute" regenerates it, so the
-table's paths are checked, not just printed. Exit status 0 when all three took the expected path
-with the right bytes, 1 otherwise.
+Every wait is for a condition the producer reports (Lookup), never a fixed sleep. Once all four
+are decoded, the worker runs a local full prefill and the same greedy decoding of every prompt
+and compares: the KV in each request's cache (loaded, recomputed and decoded) must be bitwise
+the local one, and the generated tokens identical. Exit status 0 when every request took its
+expected path and matched, 1 otherwise.
 
 Settings: demo_common.py, plus
     DEMO_LOAD_TIMEOUT_S   the client's load timeout (default 10)
+    DEMO_CHUNK_WAIT_S     longest wait for a chunk that is not parked yet (default 0.5)
     DEMO_QUEUE_EXTRA_S    how far past its lease ``queued`` waits before it is loaded (default 2)
     DEMO_READY_FILE       touched once the keep-alive for ``queued`` runs (compose healthcheck)
 """
@@ -32,15 +44,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from decode_worker import synthetic_chunk
-from demo_common import NAMES, Settings, fill, request_ids
+import numpy.typing as npt
+from demo_common import NAMES, Settings, demo_model, partial_prefix, prompt, request_ids
+from reference_model import ReferenceModel
 
-from kvpark.client import (
+from kvpark import (
     IdStatus,
     KVConsumer,
     LoadPath,
     LoadReport,
-    LoadResult,
     ProducerInfo,
     Reason,
     State,
@@ -53,6 +65,8 @@ CONNECT_TIMEOUT_S = 30.0
 PARK_WAIT_S = 60.0
 # A late fetch must be answered this fast to count as "at once".
 LATE_ANSWER_LIMIT_S = 1.0
+# Generated tokens shown per row.
+SHOWN_TOKENS = 6
 
 
 def say(text: str) -> None:
@@ -71,11 +85,11 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
         time.sleep(0.02)
 
 
-def connect(kv: KVConsumer) -> ProducerInfo:
+def connect(client: KVConsumer) -> ProducerInfo:
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:
         try:
-            return kv.server_info(timeout=2.0)
+            return client.server_info(timeout=2.0)
         except TransportError:
             if time.monotonic() > deadline:
                 raise
@@ -83,38 +97,72 @@ def connect(kv: KVConsumer) -> ProducerInfo:
 
 
 @dataclass
-class Row:
+class Handoff:
+    """One request, taken over: how its KV arrived and what the model made of it."""
+
     name: str
-    report: LoadReport[int]
-    recompute_s: float
-    bytes_ok: bool
+    prompt: npt.NDArray[np.int64]
+    total_chunks: int
+    report: LoadReport[list[int]]
+    # The first chunk the model computed here (a fully loaded prompt: its last one, see below).
+    computed_from: int
+    compute_s: float
+    generated: list[int]
+    cache: npt.NDArray[np.float16]
+    tokens_match: bool = False
+    kv_match: bool = False
 
-    @property
-    def result(self) -> LoadResult:
-        return self.report.result
 
+def take_over(
+    client: KVConsumer,
+    model: ReferenceModel,
+    name: str,
+    kid: str,
+    epoch: int,
+    settings: Settings,
+    chunk_wait_s: float,
+) -> Handoff:
+    layout = model.layout
+    tokens = prompt(name, model.config.vocab_size)
+    total = layout.num_chunks(len(tokens))
+    # Room for the prompt and every generated token but the last (whose KV nothing reads).
+    cache = model.new_cache(len(tokens) + settings.generate - 1)
+    kv = layout.block_major(cache, len(tokens))
+    spent: list[float] = []
 
-def load(kv: KVConsumer, name: str, kid: str, epoch: int, settings: Settings) -> Row:
-    buf = np.empty(settings.request_bytes, dtype=np.uint8)
-    recompute_s = 0.0
-
-    def recompute(first_missing: int) -> int:
-        # Stands in for the engine's prefill of the missing chunks: regenerate them.
-        nonlocal recompute_s
+    def prefill_from(first_missing: int) -> list[int]:
+        # The engine's own prefill of the chunks that did not arrive, then greedy decoding.
         started = time.perf_counter()
-        count = fill(buf, kid, first_missing, settings)
-        recompute_s = time.perf_counter() - started
-        return count
+        out = model.generate(tokens, cache, settings.generate, start_chunk=first_missing)
+        spent.append(time.perf_counter() - started)
+        return out
 
-    report = kv.load_or_recompute(
-        kid, num_chunks=settings.chunks, into=buf, expected_epoch=epoch, recompute=recompute
+    report = client.load_or_recompute(
+        kid,
+        num_chunks=total,
+        into=layout.destination(kv),
+        expected_epoch=epoch,
+        wait_timeout_s=chunk_wait_s,
+        recompute=prefill_from,
     )
-    size = settings.chunk_bytes
-    bytes_ok = all(
-        buf[k * size : (k + 1) * size].tobytes() == synthetic_chunk(kid, k, size)
-        for k in range(settings.chunks)
-    )
-    return Row(name, report, recompute_s, bytes_ok)
+    if report.recomputed_from is None:
+        # Every chunk loaded. The first token's logits come from the prompt's last position,
+        # so the model runs the last chunk once more (rewriting its KV with the same bits).
+        generated = prefill_from(total)
+        computed_from = total - 1
+    else:
+        assert report.recompute_value is not None
+        generated = report.recompute_value
+        computed_from = report.recomputed_from
+    return Handoff(name, tokens, total, report, computed_from, spent[0], generated, cache)
+
+
+def compare_with_local_prefill(model: ReferenceModel, handoff: Handoff, generate: int) -> None:
+    """A full prefill and decoding of the same prompt, here: KV and tokens must be identical."""
+    reference = model.new_cache(len(handoff.prompt) + generate - 1)
+    expected = model.generate(handoff.prompt, reference, generate)
+    handoff.tokens_match = handoff.generated == expected
+    handoff.kv_match = np.array_equal(reference.view(np.uint8), handoff.cache.view(np.uint8))
 
 
 def human_bytes(n: float) -> str:
@@ -125,14 +173,25 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def table(rows: list[Row]) -> str:
-    lines = [f"{'request':<10} {'path':<10} {'reason':<15} {'bytes':>10} {'time':>10}  throughput"]
-    for row in rows:
-        r = row.result
-        rate = f"{human_bytes(r.bytes / r.elapsed_s)}/s" if r.bytes and r.elapsed_s > 0 else "-"
+def chunk_range(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def table(handoffs: list[Handoff]) -> str:
+    lines = [
+        f"{'request':<9} {'path':<10} {'reason':<13} {'loaded':>6} {'bytes':>10} "
+        f"{'load':>9}  {'computed':<8}  tokens = local prefill"
+    ]
+    for h in handoffs:
+        r = h.report.result
+        computed = chunk_range(h.computed_from, h.total_chunks - 1)
+        shown = " ".join(str(t) for t in h.generated[:SHOWN_TOKENS])
+        more = " ..." if len(h.generated) > SHOWN_TOKENS else ""
         lines.append(
-            f"{row.name:<10} {row.report.path:<10} {r.reason or '-':<15} "
-            f"{human_bytes(r.bytes):>10} {r.elapsed_s * 1000:>7.1f} ms  {rate}"
+            f"{h.name:<9} {h.report.path:<10} {r.reason or '-':<13} "
+            f"{f'{r.chunks_loaded}/{h.total_chunks}':>6} {human_bytes(r.bytes):>10} "
+            f"{r.elapsed_s * 1000:>6.1f} ms  {computed:<8}  "
+            f"{'yes' if h.tokens_match else 'NO':<3}  {shown}{more}"
         )
     return "\n".join(lines)
 
@@ -142,41 +201,62 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = Settings.from_env()
     load_timeout = Timeout(total_s=float(os.environ.get("DEMO_LOAD_TIMEOUT_S", "10")))
+    chunk_wait_s = float(os.environ.get("DEMO_CHUNK_WAIT_S", "0.5"))
     queue_extra_s = float(os.environ.get("DEMO_QUEUE_EXTRA_S", "2"))
     ready_file = os.environ.get("DEMO_READY_FILE")
+    model = demo_model()
+    cfg, layout = model.config, model.layout
 
     with KVConsumer(
         settings.target,
         timeout=load_timeout,
         token=settings.fetch_token,
         credentials=settings.credentials(),
-    ) as kv:
-        info = connect(kv)
+    ) as client:
+        info = connect(client)
         epoch, lease = info.producer_epoch, info.unbound_store_timeout_s
         ids = request_ids(epoch)
         say(
             f"producer {settings.target} epoch {epoch:016x}, lease (unbound_store_timeout_s) "
-            f"{lease:g}s, load timeout {load_timeout.total_s:g}s"
+            f"{lease:g}s, load timeout {load_timeout.total_s:g}s, chunk wait {chunk_wait_s:g}s"
+        )
+        say(
+            f"model: {cfg.num_layers} layers, {model.num_parameters / 1e6:.2f} M parameters, "
+            f"float16 KV of {human_bytes(layout.token_nbytes)} per token in chunks of "
+            f"{cfg.tokens_per_chunk} tokens ({human_bytes(layout.full_chunk_nbytes)}); "
+            f"{settings.generate} greedy tokens per request"
         )
 
         def status(kid: str) -> IdStatus:
-            return kv.lookup([kid])[0]
+            return client.lookup([kid])[0]
 
         def parked(kid: str) -> IdStatus | None:
             s = status(kid)
             complete = s.total_chunks and s.chunks_parked == s.total_chunks
             return s if s.state is State.PARKED and complete else None
 
-        rows: list[Row] = []
+        def take(name: str) -> Handoff:
+            return take_over(client, model, name, ids[name], epoch, settings, chunk_wait_s)
+
+        handoffs: list[Handoff] = []
         # The router told us about `queued` when it sent it to prefill: keep its lease alive
         # from now on, parked or not (KeepAlive records intent for ids not parked yet).
-        with kv.keep_alive([ids["queued"]]) as keep_alive:
+        with client.keep_alive([ids["queued"]]) as keep_alive:
             if ready_file:
                 Path(ready_file).touch()
             say("keeping 'queued' alive while it waits in the decode queue")
 
             wait_for(lambda: parked(ids["on-time"]), PARK_WAIT_S, "'on-time' to be parked")
-            rows.append(load(kv, "on-time", ids["on-time"], epoch, settings))
+            handoffs.append(take("on-time"))
+
+            # Its first batch is committed; the rest never will be, but the decode side cannot
+            # know that: it asks for every chunk and relies on the chunk wait.
+            wait_for(
+                lambda: status(ids["partial"]).state is State.PARKED,
+                PARK_WAIT_S,
+                "'partial' to be parked",
+            )
+            handoffs.append(take("partial"))
 
             # Nobody keeps `late` alive: wait until the producer reaped it.
             wait_for(
@@ -184,7 +264,7 @@ def main() -> int:
                 PARK_WAIT_S + lease,
                 "'late' to be reaped",
             )
-            rows.append(load(kv, "late", ids["late"], epoch, settings))
+            handoffs.append(take("late"))
 
             # `queued` outlives its lease in the queue; the keep-alive holds it.
             def outlived_lease() -> IdStatus | None:
@@ -196,16 +276,30 @@ def main() -> int:
             )
             keep_alive.discard(ids["queued"])  # admitted: its KV is loaded now
             rounds = keep_alive.statistics().rounds
-            rows.append(load(kv, "queued", ids["queued"], epoch, settings))
+            handoffs.append(take("queued"))
 
-    print(table(rows), flush=True)
-    by_name = {row.name: row for row in rows}
-    late = by_name["late"]
+    for handoff in handoffs:
+        compare_with_local_prefill(model, handoff, settings.generate)
+    matching = sum(h.tokens_match for h in handoffs)
+    print(table(handoffs), flush=True)
+    print(f"tokens match a local prefill: {matching} of {len(handoffs)}", flush=True)
+
+    by_name = {h.name: h for h in handoffs}
+    partial, late = by_name["partial"], by_name["late"]
+    prefix = partial_prefix(partial.total_chunks)
+    print(
+        f"partial: chunks 0-{prefix - 1} of {partial.total_chunks} committed, the batch with the "
+        f"rest cut off; {partial.report.result.chunks_loaded} loaded, then none within the "
+        f"{chunk_wait_s:g}s chunk wait ({partial.report.reason}); recomputed chunks "
+        f"{chunk_range(partial.computed_from, partial.total_chunks - 1)} and decoded in "
+        f"{partial.compute_s * 1000:.0f} ms",
+        flush=True,
+    )
     print(
         f"late:    not fetched within its {lease:g}s lease; the producer answered "
-        f"{late.result.reason} in {late.result.elapsed_s * 1000:.1f} ms (load timeout "
-        f"{load_timeout.total_s:g}s); recomputed {late.report.recompute_value} chunks locally "
-        f"in {late.recompute_s * 1000:.0f} ms",
+        f"{late.report.reason} in {late.report.result.elapsed_s * 1000:.1f} ms (load timeout "
+        f"{load_timeout.total_s:g}s); prefilled all {late.total_chunks} chunks and decoded in "
+        f"{late.compute_s * 1000:.0f} ms",
         flush=True,
     )
     print(
@@ -215,26 +309,30 @@ def main() -> int:
     )
 
     expected = {
-        "on-time": (LoadPath.REMOTE, None),
-        "late": (LoadPath.RECOMPUTE, Reason.REAPED),
-        "queued": (LoadPath.REMOTE, None),
+        "on-time": (LoadPath.REMOTE, None, None),
+        "partial": (LoadPath.PARTIAL, Reason.WAIT_TIMEOUT, prefix),
+        "late": (LoadPath.RECOMPUTE, Reason.REAPED, 0),
+        "queued": (LoadPath.REMOTE, None, None),
     }
     problems = []
     for name in NAMES:
-        row = by_name[name]
-        want = expected[name]
-        if (row.report.path, row.report.reason) != want:
-            problems.append(f"{name}: {row.report.path}/{row.report.reason}, expected {want}")
-        if not row.bytes_ok:
-            problems.append(f"{name}: bytes differ from the prefill worker's KV")
-    if late.result.elapsed_s >= LATE_ANSWER_LIMIT_S:
-        problems.append(f"late: answered in {late.result.elapsed_s:.3f}s, not at once")
+        h = by_name[name]
+        want = expected[name]  # path, reason, first chunk recomputed
+        got = (h.report.path, h.report.reason, h.report.recomputed_from)
+        if got != want:
+            problems.append(f"{name}: {got}, expected {want}")
+        if not h.tokens_match:
+            problems.append(f"{name}: tokens differ from a local prefill's")
+        if not h.kv_match:
+            problems.append(f"{name}: KV differs from a local prefill's")
+    if late.report.result.elapsed_s >= LATE_ANSWER_LIMIT_S:
+        problems.append(f"late: answered in {late.report.result.elapsed_s:.3f}s, not at once")
     if problems:
         say("UNEXPECTED: " + "; ".join(problems))
         return 1
     say(
-        f"ok: {settings.chunks} x {human_bytes(settings.chunk_bytes)} chunks per request, every "
-        "byte matches the prefill worker's KV (CRC32C checked per chunk)"
+        "ok: every request's KV (loaded chunks CRC32C-checked, the rest recomputed) is bitwise "
+        f"a local full prefill's, and so are its {settings.generate} greedy tokens"
     )
     return 0
 

@@ -1,17 +1,24 @@
-"""Demo prefill worker: parks synthetic KV for the demo's requests on the producer.
+"""Demo prefill worker: runs the reference model on the demo's prompts and parks their KV.
 
-It shows how a prefill worker in any language parks KV: with nothing but the stubs generated
-from `protos/kvpark/v1/kvpark.proto`. One `Park` call per request is a client stream: a
-`ParkHeader` (id, total chunks, and the batch's size so the pool reserves it before any data is
-sent), then one `Chunk` per piece of KV with its CRC32C, then the producer's `ParkResponse`.
-The call carries the prefill role's token as `authorization: Bearer <token>` metadata.
+For each request it prefills the prompt with examples/reference_model.py into a block-major
+float16 cache and parks the KV with `KVParker`, chunk c being token positions [64c, 64c + 64)
+of every layer, K and V (`kvpark.layout`, docs/kv-layout.md). The chunks go out as views into
+the cache (`layout.chunk_parts`: a gather list), never copied into a staging buffer first.
 
-(Python producers that park at high rates can skip protobuf's payload copies with
-`kvpark.wire.encode_park_chunk`, as the benchmarks do; the bytes on the wire are the same.)
+- ``on-time``: streamed while the prefill runs. `parker.batch` sends chunk c as soon as the
+  model finished it (the model's `on_chunk` hook), while chunk c + 1 is computed; the batch is
+  committed when the prefill is done, and only the commit makes it visible.
+- ``partial``: the first half of the chunks is committed in one batch that declares the
+  prompt's chunk count; the batch with the second half is then cut off, as if the prefill
+  worker had been preempted. The producer undoes a batch that ends without its commit, so only
+  the first half is ever visible, and the decode worker loads that prefix and recomputes the
+  rest.
+- ``late`` and ``queued``: prefilled, then parked in one `park()` call.
 
 A prefill worker is a long-running service, so after parking this one waits until it is
 stopped (SIGTERM/SIGINT) and exits 0. `DEMO_EXIT_AFTER_PARK=true` makes it exit right away
-instead (one-shot runs in tests). Settings: see demo_common.py.
+instead (one-shot runs in tests). Settings: see demo_common.py. examples/park_with_stubs.py
+parks with nothing but the generated stubs, as a client in another language would.
 """
 
 from __future__ import annotations
@@ -21,30 +28,101 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
-import grpc
-from decode_worker import synthetic_chunk
-from demo_common import Settings, request_ids
+import numpy as np
+import numpy.typing as npt
+from demo_common import Settings, demo_model, partial_prefix, prompt, request_ids
+from reference_model import ReferenceModel
 
-from kvpark.checksum import crc32c_of
-from kvpark.pb import kvpark_pb2 as pb
-from kvpark.pb import kvpark_pb2_grpc
+from kvpark import KVParker, ParkResult, ProducerInfo, Timeout, TransportError
 
 CONNECT_TIMEOUT_S = 30.0
 PARK_TIMEOUT_S = 30.0
 
 
-def park_requests(kv_request_id: str, settings: Settings) -> Iterator[pb.ParkRequest]:
-    header = pb.ParkHeader(
-        kv_request_id=kv_request_id,
-        total_chunks=settings.chunks,
-        batch_bytes=settings.request_bytes,
-    )
-    yield pb.ParkRequest(header=header)
-    for chunk_id in range(settings.chunks):
-        data = synthetic_chunk(kv_request_id, chunk_id, settings.chunk_bytes)
-        yield pb.ParkRequest(chunk=pb.Chunk(chunk_id=chunk_id, data=data, crc32c=crc32c_of(data)))
+class Preempted(Exception):
+    """Stands in for whatever stops a prefill worker half-way (preemption, OOM, a crash)."""
+
+
+def say(text: str) -> None:
+    print(f"prefill-worker: {text}", flush=True)
+
+
+def connect(parker: KVParker) -> ProducerInfo:
+    # Compose starts us once the producer is healthy, but a restart may race.
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return parker.server_info(timeout=2.0)
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def park_streamed(
+    parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
+) -> ParkResult:
+    """Prefills and parks at once: each chunk leaves while the next one is computed."""
+    layout = model.layout
+    cache = model.new_cache(len(tokens))
+    kv = layout.block_major(cache, len(tokens))
+    # Declaring the batch's size makes the producer reserve the pool before the first chunk
+    # (or answer POOL_FULL before any compute is spent on sending).
+    with parker.batch(
+        kid,
+        total_chunks=layout.num_chunks(len(tokens)),
+        batch_bytes=layout.kv_nbytes(len(tokens)),
+    ) as batch:
+        # `put` returns False once the producer ended the batch (a refusal); the prefill
+        # finishes anyway and `batch.result` says why.
+        model.prefill(tokens, cache, on_chunk=lambda c: batch.put(c, layout.chunk_parts(kv, c)))
+    assert batch.result is not None  # set by the clean exit's commit
+    return batch.result
+
+
+def park_prefix_then_preempted(
+    parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
+) -> ParkResult:
+    """Commits the first half of the chunks; the batch with the rest is cut off."""
+    layout = model.layout
+    cache = model.new_cache(len(tokens))
+    model.prefill(tokens, cache)
+    kv = layout.block_major(cache, len(tokens))
+    total = layout.num_chunks(len(tokens))
+    prefix = partial_prefix(total)
+    # total_chunks tells the producer (and a Lookup) how many chunks the id will have.
+    first = parker.park(kid, layout.chunk_buffers(kv, range(prefix)), total_chunks=total)
+    if not first.ok:
+        return first
+    try:
+        with parker.batch(kid, total_chunks=total) as rest:
+            rest.put(prefix, layout.chunk_parts(kv, prefix))
+            # An exception inside the block: no commit is sent, the call is cancelled, and the
+            # producer drops what this batch sent.
+            raise Preempted(f"preempted after sending chunk {prefix} of {total}")
+    except Preempted:
+        pass
+    return first
+
+
+def park_whole(
+    parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
+) -> ParkResult:
+    """Prefills, then parks every chunk in one call (one gather list per chunk)."""
+    layout = model.layout
+    cache = model.new_cache(len(tokens))
+    model.prefill(tokens, cache)
+    kv = layout.block_major(cache, len(tokens))
+    return parker.park(kid, layout.chunk_buffers(kv, range(layout.num_chunks(len(tokens)))))
+
+
+PARK = {
+    "on-time": (park_streamed, "streamed during its prefill"),
+    "partial": (park_prefix_then_preempted, "the batch with the rest was cut off and undone"),
+    "late": (park_whole, "parked after its prefill"),
+    "queued": (park_whole, "parked after its prefill"),
+}
 
 
 def main() -> int:
@@ -55,49 +133,37 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
-    creds = settings.credentials()
-    options = [("grpc.max_send_message_length", settings.chunk_bytes + 65536)]
-    channel = (
-        grpc.secure_channel(settings.target, creds, options)
-        if creds is not None
-        else grpc.insecure_channel(settings.target, options)
-    )
-    metadata = (
-        (("authorization", f"Bearer {settings.park_token}"),) if settings.park_token else None
-    )
-    with channel:
-        stub = kvpark_pb2_grpc.KVProducerStub(channel)
-        # wait_for_ready: compose starts us once the producer is healthy, but a restart may race.
-        info = stub.GetServerInfo(
-            pb.GetServerInfoRequest(),
-            timeout=CONNECT_TIMEOUT_S,
-            wait_for_ready=True,
-            metadata=metadata,
-        )
-        print(
-            f"prefill-worker: producer {settings.target} epoch {info.producer_epoch:016x}, "
-            f"lease {info.unbound_store_timeout_s:g}s",
-            flush=True,
+    model = demo_model()
+    layout = model.layout
+    with KVParker(
+        settings.target,
+        timeout=Timeout(total_s=PARK_TIMEOUT_S),
+        token=settings.park_token,
+        credentials=settings.credentials(),
+    ) as parker:
+        info = connect(parker)
+        say(
+            f"producer {settings.target} epoch {info.producer_epoch:016x}, "
+            f"lease {info.unbound_store_timeout_s:g}s"
         )
         for name, kid in request_ids(info.producer_epoch).items():
+            tokens = prompt(name, model.config.vocab_size)
+            park, how = PARK[name]
             started = time.perf_counter()
-            reply = stub.Park(
-                park_requests(kid, settings), timeout=PARK_TIMEOUT_S, metadata=metadata
-            )
+            result = park(parker, model, kid, tokens)
             took = time.perf_counter() - started
-            if reply.status != pb.STATUS_OK:
-                reason = pb.FailureReason.Name(reply.reason)
-                print(f"prefill-worker: park {kid} failed: {reason} {reply.detail}", flush=True)
+            if not result.ok:
+                say(f"park {kid} failed: {result.reason} {result.detail}")
                 return 1
-            print(
-                f"prefill-worker: parked {name:8s} {kid}: {reply.chunks_parked} chunks, "
-                f"{settings.request_bytes} bytes in {took * 1000:.0f} ms "
-                f"(lease {reply.lease_remaining_s:.1f}s)",
-                flush=True,
+            total = layout.num_chunks(len(tokens))
+            say(
+                f"parked {name:8s} {kid}: {result.chunks_parked} of {total} chunks "
+                f"({len(tokens)} tokens, {result.bytes_parked / 1024:.1f} KiB), {how}, "
+                f"{took * 1000:.0f} ms (lease {result.lease_remaining_s:.1f}s)"
             )
     if os.environ.get("DEMO_EXIT_AFTER_PARK", "").lower() in ("1", "true", "yes"):
         return 0
-    print("prefill-worker: done parking; idle until stopped", flush=True)
+    say("done parking; idle until stopped")
     stop.wait()
     return 0
 

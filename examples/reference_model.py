@@ -9,7 +9,8 @@ float16 KV cache in `kvpark.layout`'s block-major layout and float32 compute:
 
     model = ReferenceModel(ModelConfig(), seed=0)
     cache = model.new_cache(len(prompt) + 16)        # [blocks, L, 2, T, kv_heads, head_dim]
-    logits = model.prefill(prompt, cache)            # or start_chunk=k after loading k chunks
+    logits = model.prefill(prompt, cache)            # or start_chunk=k after loading k chunks;
+                                                     # on_chunk=f: f(c) once chunk c is done
     tokens = model.generate(prompt, cache, 16)       # prefill, then 16 greedy tokens
 
 Why a resume is bitwise equal to a full prefill. The full prefill is itself chunked: step c
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,10 +144,20 @@ class ReferenceModel:
         return self.layout.new_block_major(num_tokens)
 
     # --------------------------------------------------------------------------- inference
-    def prefill(self, tokens: npt.ArrayLike, cache: npt.NDArray[Any], start_chunk: int = 0) -> F32:
+    def prefill(
+        self,
+        tokens: npt.ArrayLike,
+        cache: npt.NDArray[Any],
+        start_chunk: int = 0,
+        on_chunk: Callable[[int], object] | None = None,
+    ) -> F32:
         """Computes the KV of positions >= start_chunk x tokens_per_chunk into `cache`, which
         must already hold the positions before (chunks loaded from kvpark), and returns the
-        last position's logits. start_chunk = number of chunks recomputes the last chunk."""
+        last position's logits. start_chunk = number of chunks recomputes the last chunk.
+
+        `on_chunk(c)` is called as soon as chunk c's KV is final in the cache (every layer, K
+        and V; later steps never write it again), so a prefill worker can park chunk c while
+        chunk c + 1 is computed."""
         prompt = self._tokens(tokens)
         self.layout.block_major(cache, len(prompt))  # checks dtype, shape and room
         chunks = self.layout.num_chunks(len(prompt))
@@ -155,6 +167,8 @@ class ReferenceModel:
         for chunk in range(min(start_chunk, chunks - 1), chunks):
             span = self.layout.chunk_tokens(chunk, len(prompt))
             hidden = self._step(prompt[span.start : span.stop], span.start, cache)
+            if on_chunk is not None:
+                on_chunk(chunk)
         return self._logits(hidden)
 
     def generate(

@@ -342,13 +342,24 @@ def run_demo(stack: Stack) -> str:
     return decode.text
 
 
+DEMO_REQUESTS = ("on-time", "partial", "late", "queued")
+
+
 def demo_rows(output: str) -> dict[str, list[str]]:
+    """The demo table's rows by request name, split into words. Compose prefixes each line
+    with the service name (`decode-worker_1  | `), which is dropped first."""
     rows = {}
     for line in output.splitlines():
-        words = line.split()
-        if words and words[0] in ("on-time", "late", "queued") and len(words) >= 3:
+        words = line.split("| ", 1)[-1].split()
+        if words and words[0] in DEMO_REQUESTS and "ms" in words:
             rows[words[0]] = words
     return rows
+
+
+def tokens_match(row: list[str]) -> str:
+    """A demo row's `tokens = local prefill` cell: after the load time ("... ms") and the
+    chunks the decode worker computed."""
+    return row[row.index("ms") + 2]
 
 
 # ------------------------------------------------------------------------- host-side calls
@@ -360,13 +371,16 @@ def park(
     total_chunks: int,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> pb.ParkResponse:
-    """Parks `chunks` from the host with the generated stubs, as a prefill worker would."""
+    """Parks `chunks` from the host with the generated stubs, as a prefill worker in any
+    language would: header, chunks with their CRC32C, and the commit that makes them visible."""
 
     def requests() -> Iterable[pb.ParkRequest]:
         header = pb.ParkHeader(kv_request_id=kv_request_id, total_chunks=total_chunks)
         yield pb.ParkRequest(header=header)
         for cid, data in chunks.items():
             yield pb.ParkRequest(chunk=pb.Chunk(chunk_id=cid, data=data, crc32c=crc32c_of(data)))
+        commit = pb.ParkCommit(chunks=len(chunks), bytes=sum(len(d) for d in chunks.values()))
+        yield pb.ParkRequest(commit=commit)
 
     options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
     channel = (

@@ -16,7 +16,16 @@ from tls_certs import CertFiles, make_certs
 from kvpark.client import KVConsumer, Reason
 
 from .conftest import FETCH_TOKEN, PARK_TOKEN, TOKENS_ENV
-from .stack import DEMO_FILE, TEST_FILE, TLS_FILE, Stack, demo_rows, park, run_demo
+from .stack import (
+    DEMO_FILE,
+    DEMO_REQUESTS,
+    TEST_FILE,
+    TLS_FILE,
+    Stack,
+    demo_rows,
+    park,
+    run_demo,
+)
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
@@ -55,12 +64,15 @@ def client_credentials(certs: CertFiles, *, with_cert: bool = True) -> grpc.Chan
 
 
 def test_demo_over_tls_and_mtls(tls_stack: Stack) -> None:
-    rows = demo_rows(run_demo(tls_stack))
-    assert [rows[name][1] for name in ("on-time", "late", "queued")] == [
+    output = run_demo(tls_stack)
+    rows = demo_rows(output)
+    assert [rows[name][1] for name in DEMO_REQUESTS] == [
         "remote",
+        "partial",
         "recompute",
         "remote",
-    ]
+    ], output
+    assert "tokens match a local prefill: 4 of 4" in output
 
 
 def test_host_client_needs_tls_and_a_client_certificate(tls_stack: Stack, certs: CertFiles) -> None:

@@ -111,6 +111,26 @@ def test_a_corrupted_loaded_chunk_changes_the_kv_after_it(model: Any) -> None:
         assert chunk_bytes(target, chunk) != chunk_bytes(source, chunk), chunk
 
 
+def test_on_chunk_sees_each_chunk_final_as_soon_as_it_is_done(model: Any) -> None:
+    """What a prefill worker that parks chunk c from the hook relies on: c's KV is complete
+    when the hook runs, and no later step writes it again."""
+    length = 200
+    layout = model.layout
+    prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, length)
+    cache = model.new_cache(length)
+    kv = layout.block_major(cache, length)
+    seen: dict[int, bytes] = {}
+
+    def on_chunk(chunk: int) -> None:
+        assert chunk == len(seen), "chunks out of order"
+        seen[chunk] = b"".join(bytes(p) for p in layout.chunk_parts(kv, chunk))
+
+    model.prefill(prompt, cache, on_chunk=on_chunk)
+    assert list(seen) == list(range(layout.num_chunks(length)))
+    for chunk, data in seen.items():
+        assert data == b"".join(bytes(p) for p in layout.chunk_parts(kv, chunk)), chunk
+
+
 def test_bad_calls_are_refused(model: Any) -> None:
     prompt = np.arange(100) % model.config.vocab_size
     cache = model.new_cache(100)
