@@ -1,4 +1,4 @@
-"""`kvpark bench` / `python -m benchmarks`: every measurement of issue #5 in one run.
+"""`python -m benchmarks`: the full lab suite behind docs/performance.md, in one run.
 
 One command starts its own producer (a separate process, as deployed), runs each section, shows
 progress on stderr, prints the table on stdout and, with `--json PATH`, writes the same figures
@@ -36,14 +36,13 @@ from typing import Any
 from kvpark.alloc import tune_allocator
 
 from . import data
-from .clients import AsyncConsumerBatch, Loader, Parker, consumer_available, make_loader
+from .clients import AsyncConsumerBatch, Loader, Parker, make_loader
 from .env import CpuMeter, GiB, MiB, ProducerProcess, ProducerSettings
 from .report import (
     GB,
     Figure,
     Target,
     VerificationError,
-    json_document,
     latency,
     paired_ratio,
     ratio_figure,
@@ -343,7 +342,7 @@ class Env:
         self.source = data.pattern(data.source_size(plan.nbytes, windows))
         progress("starting the producer (python -m kvpark.producer)")
         self.producer = ProducerProcess(DATA_PRODUCER)
-        self.consumer = plan.loader == "consumer" and consumer_available()
+        self.consumer = plan.loader == "consumer"
         self.parker = Parker(self.producer.target)
         self.prober = Prober(self.producer.target)
         self.reaped = ReapedIds(
@@ -359,7 +358,7 @@ class Env:
 
     @property
     def loader_name(self) -> str:
-        return "consumer_client" if self.consumer else "internal raw client"
+        return "KVConsumer" if self.consumer else "internal raw client"
 
     def close(self) -> None:
         for loader in self._loaders:
@@ -372,16 +371,15 @@ class Env:
 
 
 # ==================================================================================== main
-def add_arguments(parser: argparse.ArgumentParser, *, json_option: str = "--json") -> None:
-    """The benchmark's options. `kvpark bench` passes `json_option="--json-file"`: there the
-    common `--json` flag already means "print JSON instead of text"."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
     parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke check for CI: fewer repetitions and ids, under a minute",
     )
     parser.add_argument(
-        json_option, dest="json_path", type=Path, metavar="PATH", help="also write the JSON here"
+        "--json", dest="json_path", type=Path, metavar="PATH", help="also write the JSON here"
     )
     parser.add_argument("--reps", type=int, help="repetitions of each transfer (default 5)")
     parser.add_argument("--rounds", type=int, help="16-stream rounds (default 6)")
@@ -393,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, json_option: str = "--json
         "--loader",
         choices=("consumer", "raw"),
         default="consumer",
-        help="fetch with consumer_client (default) or the internal raw client",
+        help="fetch with KVConsumer (default) or the internal raw client",
     )
     parser.add_argument(
         "--concurrency-client",
@@ -430,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m benchmarks`: see the module docstring for the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Measure kvpark against this machine's limit (issue #5): raw TCP, park, "
+        description="Measure kvpark against this machine's limit: raw TCP, bare gRPC, park, "
         "fetch, concurrency, late-fetch latency, memory, reaper. Starts its own producer.",
     )
     add_arguments(parser)
@@ -446,34 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return execute(plan, json_path=args.json_path, quiet=args.quiet)
 
 
-def register(commands: Any) -> None:
-    """`kvpark bench`: adds the benchmark to the `kvpark` CLI (consumer_client.cli plugin)."""
-    from kvpark.client.cli import Command
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            plan = plan_from_args(args)
-        except UsageError as exc:
-            print(f"kvpark bench: {exc}", file=sys.stderr)
-            return 2
-        return execute(
-            plan, json_path=args.json_path, quiet=args.quiet, json_stdout=bool(args.json)
-        )
-
-    commands.add(
-        Command(
-            "bench",
-            "benchmark a producer of its own against this machine's TCP limit (issue #5)",
-            lambda parser: add_arguments(parser, json_option="--json-file"),
-            run,
-        )
-    )
-
-
-def execute(
-    plan: Plan, *, json_path: Path | None = None, quiet: bool = False, json_stdout: bool = False
-) -> int:
-    """Runs `plan`, prints the table (or, with `json_stdout`, the JSON), writes `json_path`."""
+def execute(plan: Plan, *, json_path: Path | None = None, quiet: bool = False) -> int:
+    """Runs `plan`, prints the table, writes the JSON to `json_path`."""
     progress = Progress(quiet=quiet)
     allocator = tune_allocator()
     run = Run(plan)
@@ -507,21 +479,18 @@ def execute(
     meta["loadavg_end"] = _loadavg()
     meta["bytes_verified"] = run.bytes_verified
     extra = {"sections": run.sections, "failure": failure, "ok": failure is None}
-    if json_stdout:
-        print(json_document(meta, run.figures, **extra), end="")
-    else:
-        print(_header(meta))
-        print(render_table([f for f in run.figures if f.group == "main"]))
-        cpu = [f for f in run.figures if f.group == "cpu"]
-        if cpu:
-            print("\nCPU cost of the same transfers (CPU seconds per GB moved, both processes):")
-            print(render_table(cpu))
-        judged = [f for f in run.figures if f.target is not None]
-        below = [f.label for f in judged if f.status == "below target"]
-        print(f"\ntargets: {len(judged) - len(below)} met, {len(below)} below target; "
-              f"{run.bytes_verified / 1e9:.1f} GB moved and verified byte for byte")  # fmt: skip
-        if failure:
-            print(failure)
+    print(_header(meta))
+    print(render_table([f for f in run.figures if f.group == "main"]))
+    cpu = [f for f in run.figures if f.group == "cpu"]
+    if cpu:
+        print("\nCPU cost of the same transfers (CPU seconds per GB moved, both processes):")
+        print(render_table(cpu))
+    judged = [f for f in run.figures if f.target is not None]
+    below = [f.label for f in judged if f.status == "below target"]
+    print(f"\ntargets: {len(judged) - len(below)} met, {len(below)} below target; "
+          f"{run.bytes_verified / 1e9:.1f} GB moved and verified byte for byte")  # fmt: skip
+    if failure:
+        print(failure)
     if json_path is not None:
         write_json(json_path, meta, run.figures, **extra)
         progress(f"wrote {json_path}")
@@ -540,7 +509,7 @@ SECTION_RUNNERS: dict[str, Callable[[Run, Progress, Env], None]] = {
 def _header(meta: dict[str, Any]) -> str:
     v = meta["versions"]
     return (
-        f"\nkvpark bench {'--quick ' if meta['plan']['quick'] else ''}{meta['date']}  "
+        f"\npython -m benchmarks {'--quick ' if meta['plan']['quick'] else ''}{meta['date']}  "
         f"{meta['machine']['cpus']} CPUs, {meta['machine']['cpu_model']}\n"
         f"python {v['python']}, grpcio {v['grpcio']}, protobuf {v['protobuf']}, "
         f"numpy {v['numpy']}, kvpark {v['kvpark']} ({meta['git']}); fetch with "

@@ -1,14 +1,15 @@
 """The benchmark's clients: a raw Park uploader, and loaders for Fetch.
 
-Park: the prefill side has no client library in this repository, so the benchmark uploads the
-way a careful prefill worker would — `ParkRequest` frames built by `kvpark.wire` (byte-identical
-to the generated stubs, performance-notes.md lever 2) sent on a method registered with an
-identity serializer, one declared batch (`batch_bytes`, `total_chunks`) per id.
+Park: raw `ParkRequest` frames built by `kvpark.wire` (byte-identical to the generated stubs)
+on a method registered with an identity serializer, one declared batch (`batch_bytes`,
+`total_chunks`) per id, ended by its `ParkCommit`. Not `KVParker`, on purpose: the chunks' CRCs
+are computed before the clock starts (the prefill side has them as it produces the chunks), so
+the timed upload is the transport's alone; `kvpark bench` times `KVParker.park` itself.
 
-Fetch: `ConsumerLoader` is the product — `consumer_client.KVConsumer.load(..., into=<numpy
-array>)`. `RawLoader` is a minimal stand-in with the same shape (frames parsed by
-`kvpark.wire`, CRC32C checked, one copy into the caller's array) used only when
-`consumer_client` is not importable; the report says which one ran.
+Fetch: `ConsumerLoader` is the product — `KVConsumer.load(..., into=<numpy array>)`.
+`RawLoader` is a minimal stand-in with the same shape (frames parsed by `kvpark.wire`, CRC32C
+checked, one copy into the caller's array), kept for `--loader raw`. Both confirm each
+delivery after the timed load, so the producer frees the id before the next park needs room.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from .env import MiB, channel_options
 _SERVICE = "/kvpark.v1.KVProducer/"
 # Room for the largest chunk plus framing, on every channel the benchmark opens.
 MAX_MESSAGE_BYTES = 64 * MiB
-# Load timeout of every benchmark load; below the producer's tombstone_retention_s (spec §5).
+# Load timeout of every benchmark load; below the producer's tombstone_retention_s
+# (docs/protocol.md), so a late answer is never an UNKNOWN_ID.
 LOAD_TIMEOUT_S = 20.0
 
 
@@ -90,6 +92,7 @@ class Parker:
                 yield wire.encode_park_chunk(
                     i, crcs[i], (view[i * chunk_bytes : (i + 1) * chunk_bytes],)
                 )
+            yield wire.encode_park_commit(total, len(payload))  # nothing is kept without it
 
         reply: pb.ParkResponse = self._park(frames(), timeout=timeout)
         return reply
@@ -123,7 +126,7 @@ class Parker:
 class RawLoader:
     """Stand-in for consumer_client: same placement rule (back to back in request order)."""
 
-    name = "internal raw client (consumer_client not available)"
+    name = "internal raw client"
 
     def __init__(self, target: str) -> None:
         self._channel = open_channel(target)
@@ -132,6 +135,7 @@ class RawLoader:
             request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=None,  # raw frames, parsed by kvpark.wire
         )
+        self._stub = pb_grpc.KVProducerStub(self._channel)
 
     def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
         started = time.perf_counter()
@@ -151,7 +155,11 @@ class RawLoader:
             elif isinstance(message, pb.TransferDone):
                 ok = message.status == pb.STATUS_OK and count == num_chunks
                 reason = "" if ok else pb.FailureReason.Name(message.reason)
-                return Loaded(ok, reason, count, pos, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                if ok:  # the id stays DELIVERED, holding its pages, until this confirmation
+                    release = pb.ReleaseRequest(kv_request_id=kid, delivery_id=message.delivery_id)
+                    ok = self._stub.Release(release, timeout=30).status == pb.STATUS_OK
+                return Loaded(ok, reason, count, pos, seconds)
         return Loaded(False, "PROTOCOL_ERROR", count, pos, time.perf_counter() - started)
 
     def close(self) -> None:
@@ -166,15 +174,24 @@ class ConsumerLoader:
     def __init__(self, target: str, client: Any = None) -> None:
 
         self._owned = client is None
-        self._client: Any = client or kvpark.client.KVConsumer(target, timeout=LOAD_TIMEOUT_S)
+        self._client: Any = client or kvpark.client.KVConsumer(
+            target,
+            timeout=LOAD_TIMEOUT_S,
+            transport="grpc",  # what the lab's figures compare
+        )
         self._client.server_info()  # first contact now, not inside the first timed load
 
     def load(self, kid: str, num_chunks: int, into: U8, timeout: float) -> Loaded:
         started = time.perf_counter()
-        result = self._client.load(kid, num_chunks=num_chunks, into=into, timeout=timeout)
+        result = self._client.load(
+            kid, num_chunks=num_chunks, into=into, timeout=timeout, confirm=False
+        )
         seconds = time.perf_counter() - started
+        # Confirmed here, untimed, rather than in the client's background: the next park of
+        # a run that fills the pool needs this id's pages back first.
+        confirmed = bool(result.ok) and bool(self._client.confirm(result).ok)
         return Loaded(
-            bool(result.ok),
+            confirmed,
             "" if result.ok else f"{result.reason}: {result.detail}",
             int(result.chunks_loaded),
             int(result.bytes),
@@ -205,14 +222,19 @@ class AsyncConsumerBatch:
         self, kids: Sequence[str], num_chunks: Sequence[int], intos: Sequence[U8], timeout: float
     ) -> tuple[list[Loaded], float]:
 
-        async with kvpark.client.AsyncKVConsumer(self._target, timeout=LOAD_TIMEOUT_S) as client:
+        async with kvpark.client.AsyncKVConsumer(
+            self._target, timeout=LOAD_TIMEOUT_S, transport="grpc"
+        ) as client:
             await client.server_info()
+
+            loaded: list[Any] = [None] * len(kids)
 
             async def one(i: int) -> Loaded:
                 began = time.perf_counter()
-                r = await client.load(
-                    kids[i], num_chunks=num_chunks[i], into=intos[i], timeout=timeout
-                )
+                r = loaded[i] = await client.load(
+                    kids[i], num_chunks=num_chunks[i], into=intos[i], timeout=timeout,
+                    confirm=False,
+                )  # fmt: skip
                 return Loaded(
                     bool(r.ok),
                     "" if r.ok else f"{r.reason}: {r.detail}",
@@ -223,21 +245,16 @@ class AsyncConsumerBatch:
 
             started = time.perf_counter()
             results = await asyncio.gather(*(one(i) for i in range(len(kids))))
-            return list(results), time.perf_counter() - started
-
-
-def consumer_available() -> bool:
-    try:
-        import kvpark.client as consumer_client
-    except ImportError:
-        return False
-    return hasattr(consumer_client, "KVConsumer")
+            seconds = time.perf_counter() - started
+            # Confirmed after the clock stops: the pool needs these pages for the next round.
+            for i, r in enumerate(loaded):
+                if r.ok and not (await client.confirm(r)).ok:
+                    results[i] = Loaded(False, "confirmation refused", 0, 0, 0.0)
+            return list(results), seconds
 
 
 def make_loader(target: str, prefer_raw: bool = False) -> Loader:
-    if not prefer_raw and consumer_available():
-        return ConsumerLoader(target)
-    return RawLoader(target)
+    return RawLoader(target) if prefer_raw else ConsumerLoader(target)
 
 
 def zeroed(nbytes: int) -> U8:

@@ -1,8 +1,8 @@
 """The benchmark's processes: allocator environment, the producer under test, RSS and CPU.
 
 Every process of a run — the producer, the raw-TCP peer, the late-fetch prober and this client
-— runs with the glibc allocator fix of performance-notes.md (lever 1): multi-MiB buffers stay
-on the heap instead of being fresh `mmap`s that page-fault on every message. Child processes
+— runs with the glibc allocator fix (`kvpark.alloc`): multi-MiB buffers stay on the heap
+instead of being fresh `mmap`s that page-fault on every message. Child processes
 get it through the environment (`MALLOC_*_`, read by glibc at start-up; the producer also calls
 `mallopt` itself); this process, already running, gets it from `kvpark.alloc.tune_allocator`.
 
@@ -28,32 +28,29 @@ from typing import IO, Any
 
 import grpc
 
-from kvpark.alloc import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+from kvpark.alloc import ARENA_MAX, MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 from kvpark.pb import kvpark_pb2 as pb
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc reports CPU time in clock ticks
 
-# performance-notes.md lever 1, the same values as kvpark.alloc, for processes we start.
+# The same values as kvpark.alloc (and the image's environment), for processes we start.
 ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
+    "MALLOC_ARENA_MAX": str(ARENA_MAX),
 }
 
 
-def child_env(
-    extra: Mapping[str, str] | None = None, *, allocator_fix: bool = True
-) -> dict[str, str]:
-    """The environment for a child process: ours, allocator fix on (unless an ablation turns
-    it off), no KVPARK_ leftovers."""
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: ours, allocator fix on, no KVPARK_ leftovers."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("KVPARK_") and not k.startswith("MALLOC_")
     }
-    if allocator_fix:
-        env.update(ALLOCATOR_ENV)
+    env.update(ALLOCATOR_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     # Children import this package and the project's even when it is not installed.
     root = str(Path(__file__).resolve().parent.parent)
@@ -95,7 +92,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Client channel options for multi-MiB messages (performance-notes.md lever 3)."""
+    """Client channel options for multi-MiB messages."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -118,6 +115,11 @@ class ProducerSettings:
     max_lease_s: float = 600.0
     max_fetch_wait_s: float = 10.0
     reap_interval_s: float = 0.25
+    # One 580 MB batch in a 1 GiB pool: more than the producer's default share of it.
+    max_batch_share: float = 1.0
+    # A delivery holds its pages until the client confirms it; an unconfirmed one (a client
+    # that died mid-run) gives them back this soon.
+    delivery_grace_s: float = 10.0
 
     def flags(self) -> list[str]:
         out: list[str] = []
@@ -135,7 +137,6 @@ class ProducerProcess:
         *,
         command: Sequence[str] | None = None,
         extra_env: Mapping[str, str] | None = None,
-        allocator_fix: bool = True,
         start_timeout_s: float = 30.0,
     ) -> None:
         """`command` replaces `python -m kvpark.producer` (e.g. a producer from another
@@ -160,7 +161,7 @@ class ProducerProcess:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=child_env(extra_env, allocator_fix=allocator_fix),
+            env=child_env(extra_env),
         )
         self.pid = self.proc.pid
         try:

@@ -1,10 +1,10 @@
 """Late-fetch rejection latency: the prober process, and ids that are really REAPED.
 
-The spec's promise is that a Fetch arriving after its id was reaped is answered at once, in one
-round trip, with `REASON_REAPED`. So the benchmark makes real reaped ids — parks a tiny chunk
-and waits (by Lookup, not by sleeping a guess) until the producer's reaper has tombstoned it
-— and the prober (`prober.py`, its own process) times late Fetches of them, beside unary
-Lookups for the same id as the one-round-trip reference.
+The contract's promise (docs/protocol.md) is that a Fetch arriving after its id was reaped is
+answered at once, in one round trip, with `REASON_REAPED`. So the benchmark makes real reaped
+ids — parks a tiny chunk and waits (by Lookup, not by sleeping a guess) until the producer's
+reaper has tombstoned it — and the prober (`prober.py`, its own process) times late Fetches of
+them, beside unary Lookups for the same id as the one-round-trip reference.
 """
 
 from __future__ import annotations

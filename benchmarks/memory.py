@@ -4,14 +4,14 @@ Pool full: ids of 64 MiB (16 chunks of 4 MiB) are parked until the pool cannot t
 chunk, their leases extended with KeepAlive so none is reaped before the reading; the producer's
 RSS is read from /proc, then every id is released.
 
-Churn: ids cycle through the three ways an id ends — parked then fetched (bytes verified),
-parked then released, parked then left for the reaper — a third each, `workers` at a time, on a
-producer of their own whose lease (1 s) and tombstone retention (2 s) are short, so the run
-sees every id end and its tombstone pruned. RSS is read when the producer is quiescent (every
-id ended and its tombstone pruned) after a warm-up, and again, quiescent, after the measured
-ids: the difference is what the producer kept. Growth that retention holds by design
-(tombstones within `tombstone_retention_s`) is deliberately not counted; the peak during the
-churn is reported beside it.
+Churn: ids cycle through the three ways an id ends — parked then fetched (bytes verified, the
+delivery confirmed), parked then released, parked then left for the reaper — a third each,
+`workers` at a time, on a producer of their own whose lease (1 s) and tombstone retention
+(2 s) are short, so the run sees every id end and its tombstone pruned. RSS is read when the
+producer is quiescent (every id ended and its tombstone pruned) after a warm-up, and again,
+quiescent, after the measured ids: the difference is what the producer kept. Growth that
+retention holds by design (tombstones within `tombstone_retention_s`) is deliberately not
+counted; the peak during the churn is reported beside it.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class _Churn:
         frames = [
             wire.encode_park_header(kid, total_chunks=1, batch_bytes=len(payload)),
             wire.encode_park_chunk(0, crc32c_of(payload), (payload,)),
+            wire.encode_park_commit(1, len(payload)),
         ]
         reply = await self._park(iter(frames), timeout=30)
         if reply.status != pb.STATUS_OK:
@@ -159,6 +160,11 @@ class _Churn:
                     done = message
             if done is None or done.status != pb.STATUS_OK or got != bytes(payload):
                 raise VerificationError(f"churn: fetch of {kid!r} got wrong bytes or {done}")
+            # The id stays DELIVERED, its pages held, until the delivery is confirmed.
+            confirm = pb.ReleaseRequest(kv_request_id=kid, delivery_id=done.delivery_id)
+            confirmed = await self._release(confirm, timeout=30)
+            if confirmed.status != pb.STATUS_OK:
+                raise VerificationError(f"churn: confirming {kid!r} answered {confirmed}")
             self.fetched += 1
         elif kind == 1:
             released = await self._release(pb.ReleaseRequest(kv_request_id=kid), timeout=30)

@@ -5,9 +5,9 @@ latencies), the statistic reported (median, or a percentile), the spread (min-ma
 repetitions, or p50-p99 for latencies), an optional ratio to another figure of the same run,
 and an optional target; `other_ratios` holds further ratios to figures of the same run (the
 JSON carries them, the table shows one ratio column: a ratio worth reading there gets a row of
-its own, `ratio_figure`). Targets are judged on ratios within one run wherever the issue states
-them as ratios, because this machine is noisy (performance-notes.md): absolute GB/s moves
-±20 % between runs, ratios much less.
+its own, `ratio_figure`). Targets are judged on ratios within one run wherever they are stated
+as ratios, because this machine is noisy: absolute GB/s moves ±20 % between runs, ratios much
+less.
 
 A missed target is reported ("below target"), never an error. A wrong byte is: any check that
 finds one raises `VerificationError`, and the command exits 1.
@@ -71,7 +71,7 @@ class Figure:
     note: str = ""
     # Paired ratios to other figures of the run besides `ratio_to`: reference key -> ratio.
     other_ratios: dict[str, float] = field(default_factory=dict)
-    group: str = "main"  # which table: "main" (the issue's figures) or "cpu" (CPU per GB)
+    group: str = "main"  # which table: "main" (the targets' figures) or "cpu" (CPU per GB)
 
     @property
     def status(self) -> str:

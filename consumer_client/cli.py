@@ -4,6 +4,7 @@
     kvpark lookup ID [ID ...]
     kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] --out FILE|-   (consumes the id!)
     kvpark release ID
+    kvpark bench [--target HOST:PORT] [--quick] [--size SIZE] [--chunk SIZE,...] [--json-file F]
 
 Connection options (`--target HOST:PORT`, env KVPARK_TARGET; `--token-file`, env KVPARK_TOKEN;
 `--tls`, `--tls-ca`, `--tls-cert`, `--tls-key`; `--rpc-timeout`) and `--json` go before or
@@ -12,21 +13,17 @@ after the command.
 Subcommands live in one `CommandRegistry`. A command is a name, a help line, a function that
 adds its arguments and a function that runs it and returns an exit code; `COMMANDS.add()` is
 the only place they are registered, and `build_parser` is the only place argparse is told
-about them. Another package adds a subcommand without editing this file: a module listed in
-`PLUGIN_MODULES` (e.g. `benchmarks.cli` for `kvpark bench`) defines
-`register(commands: CommandRegistry) -> None`; it may use `client_from_args(args)` to open a
-client with the common connection options. A plugin that is not installed is skipped; one
-that fails to import is reported on stderr and skipped, so it never breaks the other commands.
+about them. `kvpark bench` (kvpark.client.bench) is registered here like the others.
 
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
 release it refused); 2 usage (bad arguments, unreadable token file); 3 the call did not get
-through (unreachable, deadline, auth, not a kvpark producer).
+through (unreachable, deadline, auth, not a kvpark producer). `kvpark bench` has its own:
+0 every byte verified, 1 a wrong byte or outcome or a section that could not run, 2 usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -43,6 +40,7 @@ from ._errors import KVParkError, RPCError, UsageError
 from ._models import IdStatus
 from ._sync import KVConsumer
 from ._timeouts import Timeout
+from .bench import command as bench
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -52,8 +50,6 @@ EXIT_RPC = 3
 TARGET_ENV = "KVPARK_TARGET"
 TOKEN_ENV = "KVPARK_TOKEN"
 DEFAULT_TARGET = "127.0.0.1:50051"
-# Modules that may add subcommands (each defines `register(commands)`); absent ones are skipped.
-PLUGIN_MODULES: tuple[str, ...] = ("benchmarks.cli",)
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,6 @@ class CommandRegistry:
 
     def __init__(self) -> None:
         self._commands: dict[str, Command] = {}
-        self._plugins: set[str] = set()  # plugin modules already tried
 
     def add(self, command: Command) -> Command:
         if command.name in self._commands:
@@ -86,26 +81,6 @@ class CommandRegistry:
     def names(self) -> list[str]:
         return list(self._commands)
 
-    def load_plugins(self, modules: Sequence[str] = PLUGIN_MODULES) -> None:
-        """Lets each installed plugin module add its subcommands, once per module."""
-        for name in modules:
-            if name in self._plugins:
-                continue
-            self._plugins.add(name)
-            try:
-                module = importlib.import_module(name)
-            except ModuleNotFoundError as exc:
-                if exc.name is not None and name.startswith(exc.name):
-                    continue  # not installed: nothing to add
-                print(f"kvpark: plugin {name} failed to import: {exc}", file=sys.stderr)
-                continue
-            except Exception as exc:  # a broken plugin must not take the other commands down
-                print(f"kvpark: plugin {name} failed to import: {exc!r}", file=sys.stderr)
-                continue
-            register = getattr(module, "register", None)
-            if callable(register):
-                register(self)
-
 
 # ------------------------------------------------------------------------- common options
 def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -116,8 +91,11 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         return value if top else argparse.SUPPRESS
 
     conn = parser.add_argument_group("connection")
+    if top:
+        parser.set_defaults(target_given=False)
     conn.add_argument(
         "--target",
+        action=_GivenTarget,
         default=default(os.environ.get(TARGET_ENV, DEFAULT_TARGET)),
         help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
     )
@@ -152,6 +130,18 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+class _GivenTarget(argparse.Action):
+    """Stores --target and notes that it was given: `kvpark bench` measures its own producer
+    unless an operator names one."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        namespace.target_given = True
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -172,7 +162,7 @@ def _read(path: Path | None) -> bytes | None:
 
 
 def client_from_args(args: argparse.Namespace, **client_args: Any) -> KVConsumer:
-    """A `KVConsumer` for the common connection options (for commands and plugins)."""
+    """A `KVConsumer` for the common connection options."""
     token = os.environ.get(TOKEN_ENV) or None
     token_bytes = _read(args.token_file)
     if token_bytes is not None:
@@ -345,6 +335,7 @@ COMMANDS.add(
     )
 )
 COMMANDS.add(Command("release", "give an id up (needs the park token)", _release_args, _release))
+COMMANDS.add(Command("bench", bench.HELP, bench.configure, bench.run))
 
 
 # -------------------------------------------------------------------------------- main
@@ -363,7 +354,6 @@ def build_parser(commands: CommandRegistry = COMMANDS) -> argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    COMMANDS.load_plugins()
     parser = build_parser()
     args = parser.parse_args(argv)
     tune_allocator()

@@ -9,6 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
+
+# The lab (benchmarks/), outside the wheel: run with -m slow.
+pytestmark = pytest.mark.slow
+
 TINY = ["--rounds", "2", "--streams", "4", "--message-bytes", str(1 << 20),
         "--stream-bytes", str(3 << 20), "--round-timeout-s", "30"]  # fmt: skip
 

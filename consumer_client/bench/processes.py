@@ -1,0 +1,104 @@
+"""The processes `kvpark bench` starts, and their CPU time. Its own producer is `python -m
+kvpark.producer`, as deployed, on a free loopback port with the image's glibc allocator
+settings in its environment (multi-MiB buffers stay on the heap instead of being fresh,
+page-faulting `mmap`s) and none of our KVPARK_ variables; it and the raw-TCP peer are stopped
+by their PID, and nothing else is. A running child's CPU time comes from /proc/<pid>/stat
+(Linux); elsewhere the figures that need it are left out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from kvpark.alloc import ARENA_MAX, MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+
+# MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483648 MALLOC_ARENA_MAX=2
+ALLOCATOR_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
+    "MALLOC_ARENA_MAX": str(ARENA_MAX),
+}
+START_TIMEOUT_S = 60.0  # the producer touches every page of its pool before it listens
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPARK_", "MALLOC_"))}
+    return {**env, **ALLOCATOR_ENV, "PYTHONUNBUFFERED": "1"}
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of `pid` (all its threads); None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spent(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def stop_pid(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int | None:
+    """SIGTERM to a process we started, SIGKILL after `grace_s`; its exit status."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+    return proc.returncode
+
+
+class OwnProducer:
+    """`python -m kvpark.producer` on a free loopback port, owned by this object."""
+
+    def __init__(self, pool_bytes: int, max_chunk_bytes: int) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.target = f"127.0.0.1:{self.port}"
+        # max-batch-share 1: the pool is sized for one transfer, which may fill it.
+        argv = [sys.executable, "-m", "kvpark.producer", "--listen", self.target]
+        argv += ["--pool-bytes", str(pool_bytes), "--max-chunk-bytes", str(max_chunk_bytes)]
+        argv += ["--max-batch-share", "1", "--metrics-listen", "", "--log-level", "warning"]
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=child_env())  # fmt: skip
+        self.pid = self.proc.pid
+        try:
+            self._wait_listening(time.monotonic() + START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_listening(self, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                self._log.seek(0)
+                log = self._log.read().decode("utf-8", "replace")[-2000:].strip()
+                raise RuntimeError(f"our producer exited {self.proc.returncode}: {log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("our producer is not listening after 60 s") from None
+                time.sleep(0.05)
+
+    def stop(self) -> int | None:
+        try:
+            return stop_pid(self.proc)
+        finally:
+            self._log.close()

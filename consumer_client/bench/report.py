@@ -1,0 +1,91 @@
+"""`kvpark bench`'s figures: the JSON document, and the table printed from it. Throughput is the
+median over repetitions (GB = 10^9 bytes) beside the slowest and fastest; ratios to raw TCP are
+paired, computed per repetition (whose steps ran back to back) and then the median; CPU cost is
+CPU seconds per GB moved, this process plus the other end (null when it is not ours to read, a
+producer given by --target); latencies are nearest-rank percentiles over every try.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from statistics import median
+from typing import Any
+
+from .sections import Row
+
+GB = 1e9
+NAMES = {"raw_tcp": "raw TCP loopback", "park": "park", "fetch": "fetch",
+         "lookup": "unary Lookup", "late_fetch": "late fetch (RELEASED id)"}  # fmt: skip
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return sorted(values)[max(1, math.ceil(q / 100 * len(values))) - 1]
+
+
+def _transfer(row: Row, raw: Row, nbytes: int) -> dict[str, Any]:
+    rates = [nbytes / GB / s for s in row.seconds]
+    # Paired with the raw-TCP step of the same repetition (the seconds are in repetition order).
+    ratios = [r / t for r, t in zip(raw.seconds, row.seconds, strict=False)]
+    this = median(c[0] for c in row.cpu) * GB / nbytes
+    others = [c[1] for c in row.cpu]
+    other = None if None in others else median(c or 0.0 for c in others) * GB / nbytes
+    return {"kind": row.kind, "transport": row.transport, "chunk_bytes": row.chunk_bytes,
+            "gbps": median(rates), "gbps_min": min(rates), "gbps_max": max(rates),
+            "seconds": row.seconds,
+            "ratio_to_raw_tcp": median(ratios),
+            "cpu_s_per_gb": {"this": this, "other": other,
+                             "total": None if other is None else this + other}}  # fmt: skip
+
+
+def document(meta: dict[str, Any], rows: Sequence[Row], nbytes: int) -> dict[str, Any]:
+    transfer: list[dict[str, Any]] = []
+    latency: list[dict[str, Any]] = []
+    raw: Row | None = None
+    for row in (r for r in rows if r.seconds):
+        if row.kind == "raw_tcp":
+            raw = row
+        if row.kind in ("raw_tcp", "park", "fetch") and raw is not None:
+            transfer.append(_transfer(row, raw, nbytes))
+        elif row.kind in ("lookup", "late_fetch"):
+            latency.append({"kind": row.kind, "transport": row.transport, "n": len(row.seconds),
+                            "p50_us": percentile(row.seconds, 50) * 1e6,
+                            "p99_us": percentile(row.seconds, 99) * 1e6})  # fmt: skip
+            if row.kind == "late_fetch" and latency[-2]["kind"] == "lookup":
+                latency[-1]["p50_ratio_to_lookup"] = latency[-1]["p50_us"] / latency[-2]["p50_us"]
+    return {**meta, "transfer": transfer, "latency": latency}
+
+
+def table(doc: dict[str, Any]) -> str:
+    plan, producer, v = doc["plan"], doc["producer"], doc["versions"]
+    who = f"our own, pid {producer['pid']}" if producer["own"] else "given by --target"
+    lines = [f"kvpark bench{' --quick' if plan['quick'] else ''}: {plan['size_bytes'] / 1e6:g} MB "
+             f"per transfer, {plan['reps']} repetition(s); producer {producer['target']} ({who})",
+             f"python {v['python']}, grpcio {v['grpcio']}, numpy {v['numpy']}, kvpark "
+             f"{v['kvpark']}; {doc['cpus']} CPUs", ""]  # fmt: skip
+    cells = [["transfer", "chunk", "GB/s", "slowest-fastest", "x raw TCP", "CPU s/GB (this+other)"]]
+    for r in doc["transfer"]:
+        cpu = {k: "?" if x is None else f"{x:.2f}" for k, x in r["cpu_s_per_gb"].items()}
+        cells.append([NAMES[r["kind"]] + (f", {r['transport']}" if r["transport"] else ""),
+                      f"{r['chunk_bytes'] / 2**20:g} MiB", f"{r['gbps']:.2f}",
+                      f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f}", f"{r['ratio_to_raw_tcp']:.2f}",
+                      f"{cpu['total']} ({cpu['this']} + {cpu['other']})"])  # fmt: skip
+    lines += [*_columns(cells), ""] if doc["transfer"] else []
+    cells = [["latency (idle)", "n", "p50 us", "p99 us", "x Lookup p50"]]
+    for r in doc["latency"]:
+        ratio = r.get("p50_ratio_to_lookup")
+        cells.append([f"{NAMES[r['kind']]}, {r['transport']}", str(r["n"]), f"{r['p50_us']:,.0f}",
+                      f"{r['p99_us']:,.0f}", "" if ratio is None else f"{ratio:.2f}"])  # fmt: skip
+    lines += [*_columns(cells), ""] if doc["latency"] else []
+    if doc["ok"]:
+        lines.append(f"ok: every byte verified ({doc['verified_bytes'] / 1e6:,.0f} MB compared "
+                     f"after raw TCP and fetch) in {doc['elapsed_s']:.1f} s")  # fmt: skip
+    lines += [f"FAILED: {failure}" for failure in doc["failures"]]
+    return "\n".join(lines)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows]  # fmt: skip

@@ -1,0 +1,111 @@
+"""`kvpark bench`, the operator benchmark in the wheel, run as an operator runs it: the installed
+command in a subprocess. By default it starts, measures and stops a producer of its own; with
+--target it measures a running producer and leaves it running. The JSON is checked for what
+the command promises (every byte verified, positive throughputs and ratios, both latency rows),
+never for how fast this machine is. Each run is bounded by its subprocess timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import ProducerProcess
+
+MB = 1_000_000
+
+
+def kvpark(*argv: str, timeout: float, env: dict[str, str] | None = None) -> Any:
+    script = Path(sys.executable).parent / "kvpark"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvpark.client"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
+    return subprocess.run(
+        [*command, *argv], capture_output=True, text=True, timeout=timeout,
+        env={**clean, **(env or {})},
+    )  # fmt: skip
+
+
+def check_document(doc: dict[str, Any], chunks: list[int], reps: int, tries: int) -> None:
+    assert doc["ok"] is True and doc["failures"] == [], doc["failures"]
+    size = doc["plan"]["size_bytes"]
+    # raw TCP and fetch of every repetition, compared byte for byte
+    assert doc["verified_bytes"] == 2 * size * reps * len(chunks)
+    rows = {(r["kind"], r["chunk_bytes"]): r for r in doc["transfer"]}
+    assert sorted(rows) == sorted((k, c) for k in ("raw_tcp", "park", "fetch") for c in chunks)
+    for (kind, _), row in rows.items():
+        assert row["transport"] == (None if kind == "raw_tcp" else "grpc")
+        assert len(row["seconds"]) == reps and row["gbps"] > 0, row
+        assert 0 < row["ratio_to_raw_tcp"] < math.inf, row
+        assert row["cpu_s_per_gb"]["this"] > 0, row
+    latency = {r["kind"]: r for r in doc["latency"]}
+    assert latency.keys() == {"lookup", "late_fetch"}
+    for row in latency.values():
+        assert row["n"] == tries and 0 < row["p50_us"] <= row["p99_us"], row
+    assert latency["late_fetch"]["p50_ratio_to_lookup"] > 0
+
+
+def test_quick_run_with_its_own_producer(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = kvpark("bench", "--quick", "--json", "--json-file", str(out), timeout=90)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == doc
+    check_document(doc, [2**20], reps=2, tries=200)
+    assert doc["plan"]["quick"] is True and doc["elapsed_s"] < 30
+    for row in doc["transfer"]:  # both processes' CPU is read when the producer is ours
+        assert row["cpu_s_per_gb"]["other"] > 0 and row["cpu_s_per_gb"]["total"] > 0, row
+    producer = doc["producer"]
+    assert producer["own"] is True and producer["version"]
+    assert not Path(f"/proc/{producer['pid']}").exists()  # stopped at the end
+    assert "starting our own producer" in proc.stderr and "latency" in proc.stderr
+
+
+def test_target_measures_a_running_producer_and_leaves_it_running(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    producer = producer_process(park_token="park-secret", fetch_token="fetch-secret")
+    park_file = tmp_path / "park"
+    park_file.write_text("park-secret\n")
+    args = ["bench", "--target", producer.target, "--park-token-file", str(park_file),
+            "--size", "8MB", "--chunk", "1MiB,2MiB", "--reps", "2",
+            "--latency-tries", "20"]  # fmt: skip
+    fetch_env = {"KVPARK_FETCH_TOKEN": "fetch-secret"}
+    proc = kvpark(*args, "--json", "--quiet", timeout=60, env=fetch_env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    check_document(doc, [2**20, 2**21], reps=2, tries=20)
+    assert doc["producer"] == {"own": False, "target": producer.target, "pid": None,
+                               "version": doc["producer"]["version"]}  # fmt: skip
+    for row in doc["transfer"]:  # the producer's CPU time is not ours to read; the peer's is
+        assert (row["cpu_s_per_gb"]["other"] is None) == (row["kind"] != "raw_tcp"), row
+    assert proc.stderr == "" and producer.proc.poll() is None
+
+    # A refused token is a section that could not run: exit 1, the reason in the report.
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-park-token")
+    failed = kvpark(*args[:3], "--park-token-file", str(wrong), *args[5:], "--quiet",
+                    timeout=60, env=fetch_env)  # fmt: skip
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "FAILED: transfer: AuthError" in failed.stdout
+    # More than the producer takes in one batch (half its 64 MiB pool): a usage error.
+    too_big = kvpark(*args[:5], "--size", "40MB", "--quiet", timeout=60, env=fetch_env)
+    assert too_big.returncode == 2 and "lower --size" in too_big.stderr
+    assert producer.proc.poll() is None
+
+
+def test_usage_errors_exit_2() -> None:
+    for argv, said in (
+        (["--size", "0"], "expected a size"),
+        (["--chunk", "1MiB,lots"], "expected a size"),
+        (["--reps", "0"], "expected a count"),
+        (["--transport", "carrier-pigeon"], "invalid choice"),
+        (["--tls"], "go with --target"),
+    ):
+        proc = kvpark("bench", *argv, timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr, (argv, proc.stderr)
