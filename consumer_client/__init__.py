@@ -16,7 +16,9 @@ at once why not and recomputes exactly what is missing:
         report.reason    # None, or e.g. Reason.REAPED, Reason.TIMEOUT, Reason.UNAVAILABLE
 
 `AsyncKVConsumer` has the same methods as coroutines (`aclose` for `close`); `KVParker` and
-`AsyncKVParker` park (parker.py); `ConsumerRegistry` keeps one client per producer target.
+`AsyncKVParker` park (parker.py). A park's `ParkResult.handle` (a `KVHandle`) says where the
+KV is; `ConsumerPool` / `AsyncConsumerPool` load by handle from whichever producer it names,
+one client per producer; `ConsumerMetrics` counts a worker's loads for Prometheus.
 
 Expected outcomes are values (`LoadResult`, `ParkResult`, `ReleaseResult`, `IdStatus`);
 exceptions mean misuse, misconfiguration or, for the unary calls, a call that did not get
@@ -25,7 +27,7 @@ through:
     KVParkError
     ├── UsageError (also ValueError)               bad arguments: id, chunk ids, timeout, into
     │   └── BufferTooSmallError                    the chunks do not fit in `into`
-    ├── ClientClosedError (also RuntimeError)      the client or registry was closed
+    ├── ClientClosedError (also RuntimeError)      the client or pool was closed
     ├── RPCError                                   .code (grpc.StatusCode), .details
     │   ├── TransportError                         UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ...
     │   ├── RequestRejectedError                   INVALID_ARGUMENT, OUT_OF_RANGE
@@ -57,16 +59,19 @@ from ._errors import (
     classify_status,
 )
 from ._models import IdStatus, ProducerInfo, ReleaseResult, State
-from ._result import LoadPath, LoadReport, LoadResult, ParkResult, Reason
+from ._park import ParkResult
+from ._result import LoadPath, LoadReport, LoadResult, Reason
 from ._sync import KVConsumer
 from ._timeouts import USE_CLIENT_DEFAULT, Timeout
+from .handle import KVHandle
 from .keepalive import AsyncKeepAlive, KeepAlive, KeepAliveStatistics
+from .metrics import ConsumerMetrics
 from .parker import AsyncKVParker, AsyncParkBatch, KVParker, ParkBatch
-from .registry import AsyncConsumerRegistry, ConsumerRegistry
+from .pool import AsyncConsumerPool, ConsumerPool
 
 __all__ = [
     "USE_CLIENT_DEFAULT",
-    "AsyncConsumerRegistry",
+    "AsyncConsumerPool",
     "AsyncKVConsumer",
     "AsyncKVParker",
     "AsyncKeepAlive",
@@ -74,9 +79,11 @@ __all__ = [
     "AuthError",
     "BufferTooSmallError",
     "ClientClosedError",
-    "ConsumerRegistry",
+    "ConsumerMetrics",
+    "ConsumerPool",
     "IdStatus",
     "KVConsumer",
+    "KVHandle",
     "KVParkError",
     "KVParker",
     "KeepAlive",

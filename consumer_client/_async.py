@@ -37,7 +37,6 @@ from ._core import (
     Transport,
     check_policy,
     confirm_request,
-    fallback_plan,
     keepalive_requests,
     lookup_requests,
     release_request,
@@ -51,6 +50,7 @@ from ._session import LoadSession, OnChunk, Step
 from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import AsyncKeepAlive
+from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 _CONFIRM_TASK = "kvpark-confirm"
@@ -105,6 +105,7 @@ class AsyncKVConsumer(ClientBase):
         transport: Transport = "auto",
         data_tls: ssl.SSLContext | None = None,
         shm_socket: str | None = None,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -121,6 +122,7 @@ class AsyncKVConsumer(ClientBase):
             transport=transport,
             data_tls=data_tls,
             shm_socket=shm_socket,
+            metrics=metrics,
         )
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -310,6 +312,10 @@ class AsyncKVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
         )
+        return await self._run(session, confirm)
+
+    async def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
+        """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
         _, fetch = self._stubs()
         try:
             await self._stream(fetch, session)
@@ -400,7 +406,7 @@ class AsyncKVConsumer(ClientBase):
         redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
-        result = await self.load(
+        session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -409,9 +415,10 @@ class AsyncKVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
-            confirm=confirm,
+            policy=policy,
         )
-        first = fallback_plan(result, policy)
+        result = await self._run(session, confirm)
+        first = self._core.plan_fallback(result, policy)
         value: Any = None
         if first is not None and recompute is not None:
             value = recompute(first)

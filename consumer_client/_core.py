@@ -35,6 +35,7 @@ from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
 from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
+from .metrics import NO_POLICY, ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 
@@ -78,6 +79,7 @@ class ClientCore:
         data_tls: ssl.SSLContext | None = None,
         shm_socket: str | None = None,
         role: str = FETCH_ROLE,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         if not isinstance(confirm, bool):
             raise UsageError(f"confirm: expected True or False, got {confirm!r}")
@@ -87,6 +89,9 @@ class ClientCore:
             )
         if data_tls is not None and not isinstance(data_tls, ssl.SSLContext):
             raise UsageError("data_tls: expected an ssl.SSLContext")
+        if metrics is not None and not isinstance(metrics, ConsumerMetrics):
+            raise UsageError("metrics: expected a kvpark.ConsumerMetrics")
+        self.metrics = metrics
         self.transport = transport
         self.data_tls = data_tls
         self.channel = channel
@@ -200,6 +205,7 @@ class ClientCore:
         timeout: TimeoutArg,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
+        policy: str = NO_POLICY,
     ) -> LoadSession:
         """Checks a load's arguments (UsageError) and starts its session."""
         self.check_open()
@@ -217,7 +223,7 @@ class ClientCore:
         destination = destination_for(into)
         shm = self._shm_target(into, destination)
         accept = self.accept_transports()
-        return LoadSession(
+        session = LoadSession(
             kv_request_id=kid,
             chunk_ids=ids,
             destination=destination,
@@ -228,6 +234,8 @@ class ClientCore:
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
         )
+        session.policy = policy
+        return session
 
     def _shm_target(self, into: Any, destination: Destination) -> ShmTarget | None:
         """Where a load's chunks land over shared memory: `into` itself when it lies in a
@@ -266,7 +274,20 @@ class ClientCore:
         info = self.info
         result = session.result(info.producer_epoch if info else None)
         self.note_status(result.grpc_code, result.reason)
+        if self.metrics is not None:
+            self.metrics.record_load(result, session.policy)
         return result
+
+    def plan_fallback(self, result: LoadResult, policy: str) -> int | None:
+        """`fallback_plan`, counted in the client's metrics."""
+        try:
+            first = fallback_plan(result, policy)
+        finally:
+            if self.metrics is not None and not result.ok:
+                known = len(result.chunk_ids) - result.chunks_loaded if result.chunk_ids else 0
+                recomputed = known if policy == "recompute" else 0
+                self.metrics.record_fallback(result, policy, recomputed)
+        return first
 
     def should_confirm(self, result: LoadResult, confirm: bool | None) -> bool:
         wanted = self.confirm if confirm is None else confirm

@@ -27,8 +27,9 @@ from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import byte_view
 from ._errors import StatusRule, UsageError, classify_status, error_for
-from ._result import ParkResult, Reason
+from ._result import Reason
 from ._shm import ShmAccess
+from .handle import TRANSPORT_NAMES, KVHandle
 
 _UINT32_MAX = 2**32 - 1
 # POOL_FULL retries back off from this wait, doubling, never beyond the producer's
@@ -196,11 +197,71 @@ class ParkFrames:
         return wire.encode_park_commit(self.chunks, self.nbytes)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParkResult:
+    """The outcome of one `park()` or one batch. Frozen. A refusal is a value like a failed
+    load: `ok=False` and a `Reason` (POOL_FULL, TOO_LARGE, CHUNK_CONFLICT, REAPED, ...)."""
+
+    kv_request_id: str
+    ok: bool
+    # None when ok; otherwise why the batch was refused (nothing of it was kept).
+    reason: Reason | None
+    # Human-readable detail (the producer's or the client's); never parse it.
+    detail: str
+    # The id's chunks and payload bytes on the producer after this batch (all batches).
+    chunks_parked: int = 0
+    bytes_parked: int = 0
+    # The id's total chunk count, once declared or fixed by a commit; 0 when not known.
+    total_chunks: int = 0
+    # Seconds until the id's lease runs out, as of the answer.
+    lease_remaining_s: float = 0.0
+    # With POOL_FULL: when the producer expects room (the last answer's value).
+    retry_after_s: float = 0.0
+    # The producer process's epoch; a decode worker passes it as `expected_epoch`.
+    producer_epoch: int = 0
+    # host:port decode workers dial to reach this producer: the address it advertises, else
+    # the one this parker dialed.
+    producer: str = ""
+    # What a Fetch of this id may use there, best first ("shm", "tcp", "grpc").
+    transports: tuple[str, ...] = ("grpc",)
+    # Park calls made (POOL_FULL is retried while the timeout allows) and wall time in all.
+    attempts: int = 1
+    elapsed_s: float = 0.0
+    # The gRPC status the last call ended with when it ended with an error status.
+    grpc_code: grpc.StatusCode | None = None
+    # Which transport carried the bytes.
+    transport: str = "grpc"
+
+    @property
+    def handle(self) -> KVHandle:
+        """Where the parked KV is, for the router to pass to a decode worker. Raises UsageError
+        for a refused park: there is nothing to hand over."""
+        if not self.ok:
+            raise UsageError(f"no handle: parking {self.kv_request_id!r} failed ({self.reason})")
+        return KVHandle(
+            kv_request_id=self.kv_request_id,
+            producer=self.producer,
+            producer_epoch=self.producer_epoch,
+            num_chunks=self.total_chunks or self.chunks_parked,
+            nbytes=self.bytes_parked,
+            transports=self.transports or ("grpc",),
+        )
+
+
 class ParkOutcome:
     """Turns one Park call's ending into a ParkResult, and plans retries across calls."""
 
-    def __init__(self, kv_request_id: str, deadline_s: float | None, clock: Callable[[], float]):
+    def __init__(
+        self,
+        kv_request_id: str,
+        deadline_s: float | None,
+        clock: Callable[[], float],
+        *,
+        producer: str = "",
+    ) -> None:
         self.kv_request_id = kv_request_id
+        # The parker's target, the address a handle names when the producer advertises none.
+        self.producer = producer
         self._clock = clock
         self.started = clock()
         self._deadline = None if deadline_s is None else self.started + deadline_s
@@ -223,7 +284,8 @@ class ParkOutcome:
             lease_remaining_s=reply.lease_remaining_s,
             retry_after_s=reply.retry_after_s,
             producer_epoch=reply.producer_epoch,
-            advertise_address=reply.advertise_address,
+            producer=reply.advertise_address or self.producer,
+            transports=tuple(TRANSPORT_NAMES.get(t, "grpc") for t in reply.transports),
             attempts=self.attempts,
             elapsed_s=self._clock() - self.started,
             transport=transport,
@@ -246,6 +308,7 @@ class ParkOutcome:
             ok=False,
             reason=rule.load_reason,
             detail=details,
+            producer=self.producer,
             attempts=self.attempts,
             elapsed_s=self._clock() - self.started,
             grpc_code=rule.code,

@@ -129,6 +129,8 @@ class LoadResult:
     delivery_id: int = 0
     # Which transport carried the bytes.
     transport: str = "grpc"
+    # Seconds from the start of the load to its first verified chunk; None when none came.
+    first_chunk_s: float | None = None
     # The loaded bytes: a uint8 view of the caller's one `into` buffer (its first `bytes`
     # bytes), a new array the result owns when no `into` was given, or None when `into` named
     # one destination per chunk.
@@ -161,39 +163,6 @@ class LoadResult:
             offsets.append(pos)
             pos += size
         return tuple(offsets)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ParkResult:
-    """The outcome of one `park()` or one batch. Frozen. A refusal is a value like a failed
-    load: `ok=False` and a `Reason` (POOL_FULL, TOO_LARGE, CHUNK_CONFLICT, REAPED, ...)."""
-
-    kv_request_id: str
-    ok: bool
-    # None when ok; otherwise why the batch was refused (nothing of it was kept).
-    reason: Reason | None
-    # Human-readable detail (the producer's or the client's); never parse it.
-    detail: str
-    # The id's chunks and payload bytes on the producer after this batch (all batches).
-    chunks_parked: int = 0
-    bytes_parked: int = 0
-    # The id's total chunk count, once declared or fixed by a commit; 0 when not known.
-    total_chunks: int = 0
-    # Seconds until the id's lease runs out, as of the answer.
-    lease_remaining_s: float = 0.0
-    # With POOL_FULL: when the producer expects room (the last answer's value).
-    retry_after_s: float = 0.0
-    # The producer process's epoch; a decode worker passes it as `expected_epoch`.
-    producer_epoch: int = 0
-    # host:port decode workers dial to reach this producer, if it advertises one.
-    advertise_address: str = ""
-    # Park calls made (POOL_FULL is retried while the timeout allows) and wall time in all.
-    attempts: int = 1
-    elapsed_s: float = 0.0
-    # The gRPC status the last call ended with when it ended with an error status.
-    grpc_code: grpc.StatusCode | None = None
-    # Which transport carried the bytes.
-    transport: str = "grpc"
 
 
 T = TypeVar("T")

@@ -45,11 +45,11 @@ from ._buffers import Destination, OwnedBuffer
 from ._errors import classify_status, error_for
 from ._result import LoadResult, Reason
 from ._timeouts import Timeout
+from .handle import TRANSPORT_NAMES
 
 log = logging.getLogger("kvpark.client")
 
 # How LoadResult.transport names the contract's Transport values.
-TRANSPORT_NAMES = {pb.TRANSPORT_GRPC: "grpc", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_SHM: "shm"}
 
 # Called after each chunk is verified and placed: (index in the request, chunk id, its bytes
 # where they landed). Lets an engine start on early chunks while later ones still stream.
@@ -123,6 +123,9 @@ class LoadSession:
         self._sizes: list[int] = []
         # The decided outcome: (reason or None for ok, detail, grpc code). None = undecided.
         self._outcome: tuple[Reason | None, str, grpc.StatusCode | None] | None = None
+        # The failure policy the caller loads under (a label of the client's metrics).
+        self.policy = "none"
+        self.first_chunk_at: float | None = None
         # From the producer's TransferDone: its epoch, and the delivery a success names.
         self.producer_epoch = 0
         self.delivery_id = 0
@@ -142,6 +145,7 @@ class LoadSession:
             clock=self._clock,
         )
         session.started = self.started
+        session.policy = self.policy
         session.deadline = self.deadline
         session.first_chunk_deadline = self.first_chunk_deadline
         return session
@@ -266,6 +270,8 @@ class LoadSession:
 
     def _counted(self, chunk_id: int, landed: memoryview, nbytes: int) -> Step:
         index = self.chunks_loaded
+        if index == 0:
+            self.first_chunk_at = self._clock()
         self.chunks_loaded += 1
         self._sizes.append(nbytes)
         if self._on_chunk is not None:
@@ -324,6 +330,9 @@ class LoadSession:
         self._decide(rule.load_reason, detail, rule.code)
 
     # ------------------------------------------------------------------------------- result
+    def _first_chunk_s(self) -> float | None:
+        return None if self.first_chunk_at is None else self.first_chunk_at - self.started
+
     def result(self, info_epoch: int | None) -> LoadResult:
         """The outcome. `info_epoch`: the epoch of the client's last ServerInfo, used only when
         the producer's own answer did not carry one (the call broke before it)."""
@@ -347,6 +356,7 @@ class LoadSession:
             grpc_code=code,
             delivery_id=self.delivery_id if ok else 0,
             transport=TRANSPORT_NAMES.get(self.transport, "grpc"),
+            first_chunk_s=self._first_chunk_s(),
             data=self._dest.array(),
         )
         level = logging.WARNING if reason in _LOUD else logging.DEBUG

@@ -39,7 +39,6 @@ from ._core import (
     Transport,
     check_policy,
     confirm_request,
-    fallback_plan,
     keepalive_requests,
     lookup_requests,
     release_request,
@@ -53,6 +52,7 @@ from ._session import LoadSession, OnChunk, Step
 from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg
 from .keepalive import KeepAlive
+from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 
@@ -101,6 +101,7 @@ class KVConsumer(ClientBase):
         transport: Transport = "auto",
         data_tls: ssl.SSLContext | None = None,
         shm_socket: str | None = None,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         settings = ChannelSettings.build(
             target,
@@ -117,6 +118,7 @@ class KVConsumer(ClientBase):
             transport=transport,
             data_tls=data_tls,
             shm_socket=shm_socket,
+            metrics=metrics,
         )
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
@@ -304,6 +306,10 @@ class KVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
         )
+        return self._run(session, confirm)
+
+    def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
+        """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
         _, fetch = self._stubs()
         try:
             self._stream(fetch, session)
@@ -386,7 +392,7 @@ class KVConsumer(ClientBase):
         everything); with `policy="fail"`, LoadFailedError and nothing recomputed. The report
         says which path was taken (remote, partial, recompute) and why."""
         check_policy(policy, recompute)
-        result = self.load(
+        session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -395,8 +401,9 @@ class KVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
-            confirm=confirm,
+            policy=policy,
         )
-        first = fallback_plan(result, policy)
+        result = self._run(session, confirm)
+        first = self._core.plan_fallback(result, policy)
         value = None if first is None or recompute is None else recompute(first)
         return report(result, first, value)

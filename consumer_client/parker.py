@@ -48,6 +48,7 @@ from ._park import (
     Chunks,
     ParkFrames,
     ParkOutcome,
+    ParkResult,
     ShmPlan,
     batch_frames,
     check_batch_bytes,
@@ -57,7 +58,6 @@ from ._park import (
     prepare,
     prepare_all,
 )
-from ._result import ParkResult
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
 
 PARK_METHOD = SERVICE + "Park"
@@ -83,6 +83,11 @@ def _settings(
         interceptors=interceptors,
         max_chunk_bytes=max_chunk_bytes,
     )
+
+
+def _outcome(core: ClientCore, kid: str, timeout: TimeoutArg) -> ParkOutcome:
+    deadline_s = resolve(timeout, core.timeout).total_s
+    return ParkOutcome(kid, deadline_s, monotonic, producer=core.channel.target)
 
 
 # ===================================================================================== sync
@@ -172,7 +177,7 @@ class KVParker(ClientBase):
         total = check_total(total_chunks)
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
-        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        outcome = _outcome(self._core, kid, timeout)
         plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
         try:
             while True:
@@ -221,7 +226,7 @@ class KVParker(ClientBase):
         pool before the first chunk."""
         kid = valid_id(kv_request_id)
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
-        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        outcome = _outcome(self._core, kid, timeout)
         _, park = self._stubs()
         return ParkBatch(park, self._core.channel.metadata, frames, outcome)
 
@@ -418,7 +423,7 @@ class AsyncKVParker(ClientBase):
         total = check_total(total_chunks)
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
-        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        outcome = _outcome(self._core, kid, timeout)
         plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
         try:
             while True:
@@ -472,7 +477,7 @@ class AsyncKVParker(ClientBase):
         """As `KVParker.batch`, for `async with`."""
         kid = valid_id(kv_request_id)
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
-        outcome = ParkOutcome(kid, resolve(timeout, self._core.timeout).total_s, monotonic)
+        outcome = _outcome(self._core, kid, timeout)
         _, park = self._stubs()
         return AsyncParkBatch(park, self._core.channel.metadata, frames, outcome)
 

@@ -1,13 +1,15 @@
 """A minimal decode worker: how an inference engine uses the `kvpark` client library.
 
-The router hands the decode worker each request with where its KV was parked: the producer's
-address, the producer epoch the prefill saw, and how many chunks of what size. The worker:
+The router hands the decode worker each request with the KV handle the prefill's park returned
+(`ParkResult.handle`, passed on as a dict or JSON): which producer holds the KV, the producer
+epoch the prefill saw, and how many chunks. The worker:
 
 1. queues the request and keeps its lease alive while it waits for a decode slot
    (`keep_alive`: one background loop per producer);
 2. when the request is admitted, allocates its KV buffer (here a numpy array; in an engine,
-   pinned host memory or a staging buffer) and calls `load_or_recompute` into it, so the KV
-   either lands there or the engine recomputes exactly the chunks that are missing;
+   pinned host memory or a staging buffer) and calls `load_or_recompute` by handle into it
+   (a `ConsumerPool` keeps one client per producer), so the KV either lands there or the
+   engine recomputes exactly the chunks that are missing;
 3. logs which path was taken and why, then decodes (not shown).
 
 Run it against a producer that has the KV parked, or with `--self-test`, which first parks
@@ -29,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpark import KVParker, LoadReport, Timeout
+from kvpark import ConsumerPool, KVHandle, KVParker, LoadReport, Timeout
 from kvpark.alloc import tune_allocator
-from kvpark.client import ConsumerRegistry, KeepAlive
+from kvpark.client import KeepAlive
 
 log = logging.getLogger("decode_worker")
 
@@ -41,10 +43,14 @@ class Request:
     """What the router tells the decode worker about a request's KV."""
 
     kv_request_id: str
-    target: str  # the producer holding the KV
-    epoch: int  # producer epoch the prefill saw (0 = any)
-    num_chunks: int
+    # The park's handle: where the KV is. A request never parked has one the router guessed
+    # (the producer it would have used, epoch 0 = any).
+    handle: KVHandle
     chunk_bytes: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.handle.num_chunks
 
 
 def synthetic_chunk(kv_request_id: str, chunk_id: int, size: int) -> bytes:
@@ -54,7 +60,7 @@ def synthetic_chunk(kv_request_id: str, chunk_id: int, size: int) -> bytes:
 
 
 class DecodeWorker:
-    def __init__(self, producers: ConsumerRegistry) -> None:
+    def __init__(self, producers: ConsumerPool) -> None:
         self.producers = producers
         self.queue: deque[Request] = deque()
         self._keepalives: dict[str, KeepAlive] = {}  # producer target -> its lease loop
@@ -62,17 +68,16 @@ class DecodeWorker:
     def submit(self, request: Request) -> None:
         """A request arrives from the router: queue it and start renewing its lease."""
         self.queue.append(request)
-        keepalive = self._keepalives.get(request.target)
+        producer = request.handle.producer
+        keepalive = self._keepalives.get(producer)
         if keepalive is None:
-            keepalive = self._keepalives[request.target] = self.producers[
-                request.target
-            ].keep_alive()
+            keepalive = self._keepalives[producer] = self.producers.client(producer).keep_alive()
         keepalive.add(request.kv_request_id)
 
     def admit_next(self) -> tuple[Request, np.ndarray, LoadReport[int]]:
         """Takes the next request into a decode slot and gets its KV, one way or the other."""
         request = self.queue.popleft()
-        self._keepalives[request.target].discard(request.kv_request_id)
+        self._keepalives[request.handle.producer].discard(request.kv_request_id)
         kv = np.empty(request.num_chunks * request.chunk_bytes, dtype=np.uint8)
 
         def recompute(first_missing: int) -> int:
@@ -83,13 +88,7 @@ class DecodeWorker:
                 kv[start : start + request.chunk_bytes] = np.frombuffer(data, np.uint8)
             return request.num_chunks - first_missing
 
-        report = self.producers[request.target].load_or_recompute(
-            request.kv_request_id,
-            num_chunks=request.num_chunks,
-            into=kv,
-            expected_epoch=request.epoch,
-            recompute=recompute,
-        )
+        report = self.producers.load_or_recompute(request.handle, into=kv, recompute=recompute)
         result = report.result
         log.info(
             "%s: %s%s, %d chunks loaded (%.1f MiB in %.3fs), %s chunks recomputed",
@@ -108,17 +107,17 @@ class DecodeWorker:
             keepalive.stop()
 
 
-def park_synthetic(request: Request) -> int:
-    """Plays the prefill worker: parks the request's synthetic KV; returns the producer epoch."""
+def park_synthetic(request: Request) -> KVHandle:
+    """Plays the prefill worker: parks the request's synthetic KV; returns the park's handle."""
     chunks = [
         synthetic_chunk(request.kv_request_id, chunk_id, request.chunk_bytes)
         for chunk_id in range(request.num_chunks)
     ]
-    with KVParker(request.target) as parker:
+    with KVParker(request.handle.producer) as parker:
         result = parker.park(request.kv_request_id, chunks)
     if not result.ok:
         raise RuntimeError(f"park {request.kv_request_id}: {result.reason} {result.detail}")
-    return result.producer_epoch
+    return result.handle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,17 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     tune_allocator()  # multi-MiB messages: keep them off fresh mmaps (docs/performance.md)
 
-    requests = [
-        Request(kid, args.target, args.epoch, args.chunks, args.chunk_bytes) for kid in args.ids
-    ]
+    def guessed(kid: str) -> KVHandle:
+        nbytes = args.chunks * args.chunk_bytes
+        return KVHandle(kid, args.target, args.epoch, args.chunks, nbytes)
+
+    requests = [Request(kid, guessed(kid), args.chunk_bytes) for kid in args.ids]
     if args.self_test:
-        epoch = 0
-        for request in requests[:-1]:  # the last one is never parked: a miss
-            epoch = park_synthetic(request)
-        requests = [dataclasses.replace(r, epoch=epoch) for r in requests]
+        # All but the last are parked (the last is a miss); the router forwards each park's
+        # handle as JSON, as it would between processes.
+        requests[:-1] = [
+            dataclasses.replace(r, handle=KVHandle.from_json(park_synthetic(r).to_json()))
+            for r in requests[:-1]
+        ]
 
     # One client per producer, one timeout policy for all: 10 s total, 2 s to the first chunk.
-    with ConsumerRegistry(timeout=Timeout(10, first_chunk_s=2)) as producers:
+    with ConsumerPool(timeout=Timeout(10, first_chunk_s=2)) as producers:
         worker = DecodeWorker(producers)
         for request in requests:
             worker.submit(request)

@@ -151,6 +151,8 @@ class ProducerMetrics:
             registry=r,
         )
 
+        # Plain totals beside the labelled counters, for ServerInfo.stats.
+        self.parks = self.fetches = self.sent_bytes = 0
         self._parks = _Children(self.park_total, _labels)
         self._fetches = _Children(self.fetch_total, _labels)
         self._suppressed = _Children(self.suppressed_warnings_total, lambda kind: (kind,))
@@ -162,9 +164,15 @@ class ProducerMetrics:
 
     def count_park(self, reason: Reason) -> None:
         self._parks.inc(reason)
+        self.parks += 1
 
     def count_fetch(self, reason: Reason) -> None:
         self._fetches.inc(reason)
+        self.fetches += 1
+
+    def count_sent(self, nbytes: int) -> None:
+        self.sent_bytes_total.inc(nbytes)
+        self.sent_bytes += nbytes
 
     def count_suppressed(self, kind: str) -> None:
         self._suppressed.inc(kind)

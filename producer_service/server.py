@@ -291,6 +291,26 @@ class ProducerServer:
             data_address=self._data_address,
             data_tls=self.data is not None and self.data.tls,
             shm_socket=c.shm_socket if self.shm is not None else "",
+            stats=self._stats(),
+        )
+
+    def _stats(self) -> pb.ProducerStats:
+        lot, m = self.lot.statistics(), self.metrics
+        return pb.ProducerStats(
+            parked_ids=lot.parked_ids,
+            bound_ids=lot.bound_ids,
+            delivered_ids=lot.delivered_ids,
+            tombstones=lot.tombstones,
+            open_park_batches=lot.open_batches,
+            parks_total=m.parks,
+            fetches_total=m.fetches,
+            reaped_total=lot.reaped_total,
+            late_fetch_rejections_total=lot.late_fetch_rejections_total,
+            late_park_rejections_total=lot.late_park_rejections_total,
+            consumed_total=lot.consumed_total,
+            evicted_total=lot.evicted_total,
+            parked_bytes_total=lot.parked_bytes_total,
+            sent_bytes_total=m.sent_bytes,
         )
 
     async def _reap_forever(self) -> None:

@@ -83,6 +83,7 @@ class KVProducerServicer:
         self._max_chunk_bytes = max_chunk_bytes
         self._fetch_stall_timeout_s = fetch_stall_timeout_s
         self._server_info = server_info
+        self._offered: tuple[pb.Transport, ...] = (GRPC,)
         # Whether a caller (by its metadata) may give ids up; confirming a delivery is open to
         # both roles (auth.py holds the roles table).
         self._refuse_give_up = refuse_give_up
@@ -93,6 +94,9 @@ class KVProducerServicer:
     ) -> None:
         """The out-of-band transports the server started (at start-up, before any call)."""
         self._data, self._data_address, self._shm = data, data_address, shm
+        offered = [SHM] if shm is not None else []
+        offered += [TCP] if data is not None else []
+        self._offered = (*offered, GRPC)
 
     # =================================================================================== Park
     async def Park(self, requests: AsyncIterator[bytes], context: Any) -> pb.ParkResponse:
@@ -219,6 +223,7 @@ class KVProducerServicer:
             producer_epoch=self._lot.epoch,
             lease_remaining_s=done.lease_remaining_s,
             advertise_address=self._advertise_address,
+            transports=self._offered,
         )
 
     def _park_failed(self, refusal: Refusal) -> pb.ParkResponse:
@@ -398,7 +403,7 @@ class KVProducerServicer:
                     f"chunk {too_big.chunk_id} ({too_big.nbytes} bytes) does not fit in the "
                     "rest of the lent shm range; the id keeps its bytes",
                 )
-        self._metrics.sent_bytes_total.inc(sum(c.nbytes for c in chunks))
+        self._metrics.count_sent(sum(c.nbytes for c in chunks))
         try:
             await destination.send(chunks)
         except Stalled:

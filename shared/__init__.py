@@ -14,13 +14,17 @@ docs/architecture.md maps the modules; docs/protocol.md is the contract.
 from __future__ import annotations
 
 from .client import (
+    AsyncConsumerPool,
     AsyncKVConsumer,
     AsyncKVParker,
     AuthError,
     BufferTooSmallError,
     ClientClosedError,
+    ConsumerMetrics,
+    ConsumerPool,
     IdStatus,
     KVConsumer,
+    KVHandle,
     KVParker,
     KVParkError,
     LoadFailedError,
@@ -42,13 +46,17 @@ from .client import (
 from .version import __version__
 
 __all__ = [
+    "AsyncConsumerPool",
     "AsyncKVConsumer",
     "AsyncKVParker",
     "AuthError",
     "BufferTooSmallError",
     "ClientClosedError",
+    "ConsumerMetrics",
+    "ConsumerPool",
     "IdStatus",
     "KVConsumer",
+    "KVHandle",
     "KVParkError",
     "KVParker",
     "LoadFailedError",

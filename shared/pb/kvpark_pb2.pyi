@@ -132,7 +132,7 @@ class ParkRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ..., chunk_ref: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
-    __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s", "bytes_parked", "total_chunks", "advertise_address")
+    __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s", "bytes_parked", "total_chunks", "advertise_address", "transports")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class ParkResponse(_message.Message):
     BYTES_PARKED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: FailureReason
     detail: str
@@ -153,7 +154,8 @@ class ParkResponse(_message.Message):
     bytes_parked: int
     total_chunks: int
     advertise_address: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length")
@@ -300,7 +302,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s", "park_idle_timeout_s", "delivery_grace_s", "fetch_stall_timeout_s", "max_batch_bytes", "advertise_address", "data_address", "data_tls", "shm_socket")
+    __slots__ = ("producer_epoch", "version", "pool_bytes", "pool_free_bytes", "max_chunk_bytes", "unbound_store_timeout_s", "tombstone_retention_s", "consumer_load_timeout_s", "max_lease_s", "max_fetch_wait_s", "park_idle_timeout_s", "delivery_grace_s", "fetch_stall_timeout_s", "max_batch_bytes", "advertise_address", "data_address", "data_tls", "shm_socket", "stats")
     PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +321,7 @@ class ServerInfo(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_TLS_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     producer_epoch: int
     version: str
     pool_bytes: int
@@ -337,4 +340,37 @@ class ServerInfo(_message.Message):
     data_address: str
     data_tls: bool
     shm_socket: str
-    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ..., park_idle_timeout_s: _Optional[float] = ..., delivery_grace_s: _Optional[float] = ..., fetch_stall_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., advertise_address: _Optional[str] = ..., data_address: _Optional[str] = ..., data_tls: _Optional[bool] = ..., shm_socket: _Optional[str] = ...) -> None: ...
+    stats: ProducerStats
+    def __init__(self, producer_epoch: _Optional[int] = ..., version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., pool_free_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., unbound_store_timeout_s: _Optional[float] = ..., tombstone_retention_s: _Optional[float] = ..., consumer_load_timeout_s: _Optional[float] = ..., max_lease_s: _Optional[float] = ..., max_fetch_wait_s: _Optional[float] = ..., park_idle_timeout_s: _Optional[float] = ..., delivery_grace_s: _Optional[float] = ..., fetch_stall_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., advertise_address: _Optional[str] = ..., data_address: _Optional[str] = ..., data_tls: _Optional[bool] = ..., shm_socket: _Optional[str] = ..., stats: _Optional[_Union[ProducerStats, _Mapping]] = ...) -> None: ...
+
+class ProducerStats(_message.Message):
+    __slots__ = ("parked_ids", "bound_ids", "delivered_ids", "tombstones", "open_park_batches", "parks_total", "fetches_total", "reaped_total", "late_fetch_rejections_total", "late_park_rejections_total", "consumed_total", "evicted_total", "parked_bytes_total", "sent_bytes_total")
+    PARKED_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_PARK_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PARKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REAPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LATE_FETCH_REJECTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LATE_PARK_REJECTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PARKED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    parked_ids: int
+    bound_ids: int
+    delivered_ids: int
+    tombstones: int
+    open_park_batches: int
+    parks_total: int
+    fetches_total: int
+    reaped_total: int
+    late_fetch_rejections_total: int
+    late_park_rejections_total: int
+    consumed_total: int
+    evicted_total: int
+    parked_bytes_total: int
+    sent_bytes_total: int
+    def __init__(self, parked_ids: _Optional[int] = ..., bound_ids: _Optional[int] = ..., delivered_ids: _Optional[int] = ..., tombstones: _Optional[int] = ..., open_park_batches: _Optional[int] = ..., parks_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., reaped_total: _Optional[int] = ..., late_fetch_rejections_total: _Optional[int] = ..., late_park_rejections_total: _Optional[int] = ..., consumed_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., parked_bytes_total: _Optional[int] = ..., sent_bytes_total: _Optional[int] = ...) -> None: ...

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,38 +100,24 @@ def test_installed_command_against_a_producer_process(
     assert looked.returncode == 0 and b"TOMBSTONED (ALREADY_CONSUMED)" in looked.stdout
 
 
-def test_commands_are_registered_in_one_registry_and_plugins_can_add_more() -> None:
+def test_commands_are_registered_in_one_registry() -> None:
     names = cli.COMMANDS.names()
-    assert names[:4] == ["info", "lookup", "fetch", "release"]
-    for name in names[:4]:  # the module docstring shows every built-in command
+    assert names[:5] == ["info", "lookup", "fetch", "release", "bench"]
+    for name in names:  # the module docstring shows every command
         assert f"kvpark {name}" in (cli.__doc__ or "")
 
     registry = cli.CommandRegistry()
     for command in cli.COMMANDS:
         registry.add(command)
     ran: list[object] = []
-
-    def register(commands: cli.CommandRegistry) -> None:
-        commands.add(
-            cli.Command(
-                "fake-bench",
-                "measure load throughput",
-                lambda p: p.add_argument("--size", default="1GiB"),
-                lambda args: ran.append((args.target, args.size)) or 0,
-            )
+    registry.add(
+        cli.Command(
+            "fake-bench",
+            "measure load throughput",
+            lambda p: p.add_argument("--size", default="1GiB"),
+            lambda args: ran.append((args.target, args.size)) or 0,
         )
-
-    plugin = types.ModuleType("fake_kvpark_bench_plugin")
-    plugin.register = register  # type: ignore[attr-defined]
-    broken = types.ModuleType("broken_plugin")  # no register(): ignored
-    sys.modules[plugin.__name__] = plugin
-    sys.modules[broken.__name__] = broken
-    try:
-        registry.load_plugins([plugin.__name__, broken.__name__, "no_such_plugin_module"])
-        registry.load_plugins([plugin.__name__])  # once per module
-    finally:
-        del sys.modules[plugin.__name__], sys.modules[broken.__name__]
-    # (the real `bench` plugin may already be in COMMANDS, depending on test order)
+    )
     assert registry.names() == [*names, "fake-bench"]
     args = cli.build_parser(registry).parse_args(
         ["fake-bench", "--target", "h:1", "--size", "2GiB"]
