@@ -36,6 +36,12 @@ _UINT32_MAX = 2**32 - 1
 # retry_after_s: that is its estimate of when a lease ends, but room also frees sooner (a
 # release, a confirmed delivery, a batch undone), and a short first wait catches that.
 FIRST_RETRY_WAIT_S = 0.05
+# A Park message over shared memory names up to 64 chunks and 16 MiB: the producer copies each
+# message's chunks in one job on a worker thread, so its per-message cost (a gRPC read, a
+# thread hand-off) is paid once per group instead of once per chunk, while several groups
+# still copy at once and a refusal still stops a large batch early.
+REFS_PER_MESSAGE = 64
+REFS_MESSAGE_BYTES = 16 * 2**20
 
 ChunkPayload = Any  # a buffer, or a list/tuple of buffers sent as one chunk
 Chunks = Sequence[ChunkPayload] | Sequence[tuple[int, ChunkPayload]] | Mapping[int, ChunkPayload]
@@ -126,8 +132,19 @@ def batch_frames(
 ) -> Iterator[bytes]:
     """Every frame of one `park()` call: header, chunks (inline or by reference), commit."""
     yield frames.header
-    for i, chunk in enumerate(chunks):
-        yield frames.chunk_ref(chunk, plan.offsets[i]) if plan else frames.chunk(chunk)
+    if plan is None:
+        yield from (frames.chunk(chunk) for chunk in chunks)
+    else:
+        group: list[tuple[PreparedChunk, int]] = []
+        group_bytes = 0
+        for chunk, offset in zip(chunks, plan.offsets, strict=True):
+            group.append((chunk, offset))
+            group_bytes += chunk.nbytes
+            if len(group) == REFS_PER_MESSAGE or group_bytes >= REFS_MESSAGE_BYTES:
+                yield frames.chunk_refs(group)
+                group, group_bytes = [], 0
+        if group:
+            yield frames.chunk_refs(group)
     yield frames.commit()
 
 
@@ -184,14 +201,17 @@ class ParkFrames:
         self.nbytes += chunk.nbytes
         return wire.encode_park_chunk(chunk.chunk_id, crc_of(chunk), chunk.parts)
 
-    def chunk_ref(self, chunk: PreparedChunk, offset: int) -> bytes:
-        """A chunk already in the lent buffer at `offset`: only where it is and its CRC32C."""
-        self.chunks += 1
-        self.nbytes += chunk.nbytes
-        ref = pb.ChunkRef(
-            chunk_id=chunk.chunk_id, crc32c=crc_of(chunk), offset=offset, nbytes=chunk.nbytes
-        )
-        return pb.ParkRequest(chunk_ref=ref).SerializeToString()
+    def chunk_refs(self, placed: Sequence[tuple[PreparedChunk, int]]) -> bytes:
+        """Chunks already in the lent buffer, each at its offset: only where they are and
+        their CRC32C."""
+        refs = pb.ChunkRefs()
+        for chunk, offset in placed:
+            self.chunks += 1
+            self.nbytes += chunk.nbytes
+            refs.refs.add(
+                chunk_id=chunk.chunk_id, crc32c=crc_of(chunk), offset=offset, nbytes=chunk.nbytes
+            )
+        return pb.ParkRequest(chunk_refs=refs).SerializeToString()
 
     def commit(self) -> bytes:
         return wire.encode_park_commit(self.chunks, self.nbytes)

@@ -186,8 +186,14 @@ class LoadSession:
                 return self._abandon(Reason.PROTOCOL_ERROR, "a DataOffer after the first message")
             self.offer = message
             return Step.OFFER
-        if isinstance(message, pb.ChunkPlaced):
-            return self._placed(message)
+        if isinstance(message, pb.ChunksPlaced):
+            if not message.chunks:
+                return self._abandon(Reason.PROTOCOL_ERROR, "a ChunksPlaced that names no chunk")
+            for placed in message.chunks:
+                step = self._placed(placed)
+                if step is not Step.CONTINUE:
+                    return step
+            return Step.CONTINUE
         return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with nothing in it")
 
     # ------------------------------------------------------------- out-of-band transports

@@ -4,11 +4,11 @@ No protocol decisions live here (they are the lot's); this module only translate
 maps malformed input to INVALID_ARGUMENT with a message saying what is wrong, counts outcomes
 and rate-limits warnings.
 
-The data path skips protobuf (performance-notes.md, lever 2): Park is registered with an
-identity request deserializer and Fetch with an identity response serializer, and
-`kvpark.wire` builds and parses the same bytes the generated classes would. Every other method
-uses the generated message classes. The method table lives in `method_handlers()`, the one place
-that registers the service.
+The data path skips the generated message classes, whose parsing and serializing copy every
+chunk's payload: Park is registered with an identity request deserializer and Fetch with an
+identity response serializer, and `kvpark.wire` builds and parses the same bytes the generated
+classes would, with payloads as views. Every other method uses the generated message classes.
+The method table lives in `method_handlers()`, the one place that registers the service.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -142,8 +142,8 @@ class KVProducerServicer:
                 refused = None
                 if isinstance(message, wire.ChunkView):
                     refused = await self._park_chunk(batch, message, context)
-                elif isinstance(message, pb.ChunkRef):
-                    refused = await self._park_chunk_ref(batch, message, fills, context)
+                elif isinstance(message, pb.ChunkRefs):
+                    refused = await self._park_chunk_refs(batch, message.refs, fills, context)
                 elif isinstance(message, pb.ParkCommit):
                     if fills is not None:
                         refused = await fills.finish()
@@ -179,20 +179,27 @@ class KVProducerServicer:
             await _invalid(context, "shm_lend_id names no buffer lent to this producer for Park")
         return lent
 
-    async def _park_chunk_ref(
-        self, batch: ParkBatch, ref: pb.ChunkRef, fills: LentChunks | None, context: Any
+    async def _park_chunk_refs(
+        self,
+        batch: ParkBatch,
+        refs: Sequence[pb.ChunkRef],
+        fills: LentChunks | None,
+        context: Any,
     ) -> Refusal | None:
-        problem = "a ChunkRef needs a ParkHeader that names shm_lend_id" if fills is None else None
-        if problem is None and ref.nbytes > self._max_chunk_bytes:
-            problem = f"chunk_ref {ref.chunk_id} is {ref.nbytes} bytes, more than max_chunk_bytes"
-        if problem is None and fills is not None:
-            problem = fills.check_range(ref)
+        problem = "ChunkRefs need a ParkHeader that names shm_lend_id" if fills is None else None
+        if problem is None and not refs:
+            problem = "a ChunkRefs message names no chunk"
+        for ref in refs:
+            if problem is None and ref.nbytes > self._max_chunk_bytes:
+                problem = f"chunk_ref {ref.chunk_id}: {ref.nbytes} bytes, over max_chunk_bytes"
+            if problem is None and fills is not None:
+                problem = fills.check_range(ref)
         if problem is not None:
             self._lot.abort_park(batch)
             await _invalid(context, problem)
         assert fills is not None
         try:
-            return await fills.add(ref)
+            return await fills.add(refs)
         except MalformedRequest as exc:
             await _invalid(context, str(exc))
 
@@ -478,12 +485,13 @@ class KVProducerServicer:
     # ================================================================================ helpers
     def _stalled(self, binding: FetchBinding, kid: str, context: Any) -> None:
         """A chunk's write has not completed for fetch_stall_timeout_s: the consumer is not
-        reading. Its id goes back to PARKED with a fresh lease."""
+        reading. Its id goes back to where it was with a fresh timer: PARKED with a lease, or
+        DELIVERED with a grace."""
         self._lot.stall_fetch(binding)
         self._warnings.warn(
             "stalled_fetch",
             kid,
-            "Fetch cut off: its consumer read nothing; the id keeps its bytes with a fresh lease",
+            "Fetch cut off: its consumer read nothing; the id keeps its bytes with a fresh timer",
             lambda: {"id": printable_id(kid), "peer": context.peer()},
         )
 

@@ -1,18 +1,20 @@
 """Park over shared memory: a batch's chunks copied from the buffer its client lent.
 
 The client wrote its KV into a buffer it lent over shm_socket (kvpark.producer.shm_lending) and
-names each chunk by offset and size (`ChunkRef`). For each one the lot hands out pool pages
-(`begin_fill`), a worker thread copies the chunk into them and computes the CRC32C of what
-landed (so what is checked is exactly what is kept, whatever the client does to its buffer
-meanwhile), and the lot checks and keeps it (`end_fill`). A few fills run at once, so reading
-the next ChunkRef overlaps the copies; the commit waits for all of them, and a batch cut off
-waits for its threads before their pages can go back.
+names each chunk by offset and size (`ChunkRef`), several per message (`ChunkRefs`). For each
+one the lot hands out pool pages (`begin_fill`); one worker thread job per message copies its
+chunks into them and computes the CRC32C of what landed (so what is checked is exactly what is
+kept, whatever the client does to its buffer meanwhile), and the lot checks and keeps each
+(`end_fill`). A few jobs run at once, so reading the next message overlaps the copies; the
+commit waits for all of them, and a batch cut off waits for its threads before their pages
+can go back.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -22,9 +24,9 @@ from kvpark.pb import kvpark_pb2 as pb
 from .lot import Lot, ParkBatch, Refusal
 from .pool import SlotHandle
 
-# Fills in flight per batch: enough to keep a worker thread busy while the next ChunkRef is
-# read, few enough that a refusal stops the batch early.
-MAX_FILLS_IN_FLIGHT = 4
+# Groups of fills in flight per batch: enough to keep both cores copying while the next
+# ChunkRefs message is read, few enough that a refusal stops the batch early.
+MAX_GROUPS_IN_FLIGHT = 4
 
 
 def copy_and_crc(source: memoryview, views: list[memoryview]) -> int:
@@ -40,14 +42,22 @@ def copy_and_crc(source: memoryview, views: list[memoryview]) -> int:
     return crc
 
 
+def copy_group(jobs: list[tuple[memoryview, list[memoryview]]]) -> list[int]:
+    return [copy_and_crc(source, views) for source, views in jobs]
+
+
+Fill = tuple[pb.ChunkRef, SlotHandle]
+
+
 class LentChunks:
-    """The fills of one Park batch from one lent buffer."""
+    """The fills of one Park batch from one lent buffer, a ChunkRefs message at a time: the
+    chunks one message names are copied by one job on a worker thread."""
 
     def __init__(self, lot: Lot, batch: ParkBatch, lent: memoryview) -> None:
         self._lot = lot
         self._batch = batch
         self._lent = lent
-        self._fills: deque[tuple[asyncio.Future[int], pb.ChunkRef, SlotHandle]] = deque()
+        self._groups: deque[tuple[asyncio.Future[list[int]], list[Fill]]] = deque()
 
     def check_range(self, ref: pb.ChunkRef) -> str | None:
         """What is wrong with the range `ref` names, or None."""
@@ -58,17 +68,28 @@ class LentChunks:
             )
         return None
 
-    async def add(self, ref: pb.ChunkRef) -> Refusal | None:
-        """Starts filling one chunk; returns a refusal (the batch is undone) if one of the fills
-        it had to wait for failed. Raises MalformedRequest as `Lot.begin_fill` does."""
-        opened = self._lot.begin_fill(self._batch, ref.chunk_id, ref.nbytes)
-        if isinstance(opened, Refusal):
-            return opened
-        handle, views = opened
-        source = self._lent[ref.offset : ref.offset + ref.nbytes]
-        future = asyncio.ensure_future(asyncio.to_thread(copy_and_crc, source, views))
-        self._fills.append((future, ref, handle))
-        while len(self._fills) >= MAX_FILLS_IN_FLIGHT:
+    async def add(self, refs: Sequence[pb.ChunkRef]) -> Refusal | None:
+        """Starts filling one message's chunks; returns a refusal (the batch is undone) if a
+        chunk was refused or a fill it had to wait for failed. Raises MalformedRequest as
+        `Lot.begin_fill` does."""
+        opened: list[tuple[pb.ChunkRef, SlotHandle, list[memoryview]]] = []
+        refused: Refusal | None = None
+        try:
+            for ref in refs:
+                slot = self._lot.begin_fill(self._batch, ref.chunk_id, ref.nbytes)
+                if isinstance(slot, Refusal):
+                    refused = slot
+                    break
+                opened.append((ref, *slot))
+        finally:
+            if refused is not None or len(opened) < len(refs):  # refused, or raised
+                self._end_unfilled([(ref, handle) for ref, handle, _ in opened])
+        if refused is not None:
+            return refused
+        jobs = [(self._lent[r.offset : r.offset + r.nbytes], views) for r, _, views in opened]
+        future = asyncio.ensure_future(asyncio.to_thread(copy_group, jobs))
+        self._groups.append((future, [(ref, handle) for ref, handle, _ in opened]))
+        while len(self._groups) >= MAX_GROUPS_IN_FLIGHT:
             refused = await self._end_oldest()
             if refused is not None:
                 return refused
@@ -76,7 +97,7 @@ class LentChunks:
 
     async def finish(self) -> Refusal | None:
         """Waits for every fill and keeps each; the first refusal undoes the batch."""
-        while self._fills:
+        while self._groups:
             refused = await self._end_oldest()
             if refused is not None:
                 await self.drain()
@@ -86,17 +107,27 @@ class LentChunks:
     async def drain(self) -> None:
         """After the batch was cut off: waits for the threads still writing (a cancel of the
         handler does not stop them), then lets the lot free their pages."""
-        while self._fills:
-            future, ref, handle = self._fills.popleft()
+        while self._groups:
+            future, fills = self._groups.popleft()
             try:
-                crc = await asyncio.shield(future)
+                await asyncio.shield(future)
             except asyncio.CancelledError:
-                crc = await future  # the thread is still writing: its pages must wait for it
-            self._lot.end_fill(self._batch, ref.chunk_id, handle, None, crc)
+                await future  # the thread is still writing: its pages must wait for it
+            self._end_unfilled(fills)
+
+    def _end_unfilled(self, fills: list[Fill]) -> None:
+        """Hands back slots of a batch already undone: the lot frees them."""
+        for ref, handle in fills:
+            self._lot.end_fill(self._batch, ref.chunk_id, handle, None, 0)
 
     async def _end_oldest(self) -> Refusal | None:
-        future, ref, handle = self._fills[0]
-        crc = await future
-        self._fills.popleft()
-        given = ref.crc32c if ref.HasField("crc32c") else None
-        return self._lot.end_fill(self._batch, ref.chunk_id, handle, given, crc)
+        future, fills = self._groups[0]
+        crcs = await future
+        self._groups.popleft()
+        for i, ((ref, handle), crc) in enumerate(zip(fills, crcs, strict=True)):
+            given = ref.crc32c if ref.HasField("crc32c") else None
+            refused = self._lot.end_fill(self._batch, ref.chunk_id, handle, given, crc)
+            if refused is not None:
+                self._end_unfilled(fills[i + 1 :])
+                return refused
+        return None

@@ -98,7 +98,7 @@ class TcpStream:
 
 class ShmStream:
     """Copies into the consumer's lent buffer, back to back from an offset, then one small
-    ChunkPlaced message per chunk on the call."""
+    ChunksPlaced message per batch on the call, naming where each chunk landed."""
 
     transport = pb.TRANSPORT_SHM
 
@@ -120,13 +120,14 @@ class ShmStream:
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
         start = self._pos
         await asyncio.to_thread(self._copy, chunks, start)
+        placed = pb.ChunksPlaced()
         pos = start
         for step in chunks:
-            placed = pb.ChunkPlaced(
+            placed.chunks.add(
                 chunk_id=step.chunk_id, crc32c=step.crc32c, offset=pos, nbytes=step.nbytes
             )
-            await self._context.write(pb.FetchResponse(placed=placed).SerializeToString())
             pos += step.nbytes
+        await self._context.write(pb.FetchResponse(placed=placed).SerializeToString())
         self._pos = pos
 
     def _copy(self, chunks: Sequence[ReadyChunk], pos: int) -> None:

@@ -21,7 +21,7 @@ field numbers outside protobuf's range. A property test holds the two readings t
 Field numbers (protos/kvpark/v1/kvpark.proto):
   Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
   FetchResponse { chunk = 1; done = 2; data_offer = 3; placed = 4 }
-  ParkRequest   { header = 1; chunk = 2; commit = 3; chunk_ref = 4 }
+  ParkRequest   { header = 1; chunk = 2; commit = 3; chunk_refs = 4 }
 """
 
 from __future__ import annotations
@@ -230,21 +230,21 @@ def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
 _PARK_MESSAGES: dict[str, Any] = {
     "header": pb.ParkHeader,
     "commit": pb.ParkCommit,
-    "chunk_ref": pb.ChunkRef,
+    "chunk_refs": pb.ChunkRefs,
 }
 _FETCH_MESSAGES: dict[str, Any] = {
     "done": pb.TransferDone,
     "data_offer": pb.DataOffer,
-    "placed": pb.ChunkPlaced,
+    "placed": pb.ChunksPlaced,
 }
-ParkMessage = pb.ParkHeader | ChunkView | pb.ParkCommit | pb.ChunkRef
-FetchMessage = ChunkView | pb.TransferDone | pb.DataOffer | pb.ChunkPlaced
+ParkMessage = pb.ParkHeader | ChunkView | pb.ParkCommit | pb.ChunkRefs
+FetchMessage = ChunkView | pb.TransferDone | pb.DataOffer | pb.ChunksPlaced
 
 
 def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
     """A ParkRequest as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit", 4: "chunk_ref"})
+    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit", 4: "chunk_refs"})
     if name == "chunk":
         return parse_chunk(*bodies)
     if name:

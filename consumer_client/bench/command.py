@@ -11,6 +11,7 @@ byte, a CRC or an outcome was wrong, or a section could not run; 2 usage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -32,8 +33,9 @@ from .._models import ProducerInfo
 from .._sync import KVConsumer
 from ..parker import KVParker
 from . import report, sections
+from .late_fetcher import ProberArgs
 from .processes import OwnProducer
-from .transports import DEFAULT_TRANSPORT, TRANSPORTS
+from .transports import DEFAULT_TRANSPORTS, TRANSPORTS
 
 HELP = "measure park and fetch against raw TCP, and late fetches, on our own producer or --target"
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -68,7 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Lookups and late fetches, each (default 1000, --quick 200)")  # fmt: skip
     add("--quick", action="store_true", help="small and fast: a smoke check, not a result")
     add("--transport", action="append", choices=sorted(TRANSPORTS),
-        help=f"transport(s) to measure, one row each (default {DEFAULT_TRANSPORT})")  # fmt: skip
+        help="transport(s) to measure, one row each (default: every one the producer "
+             f"offers of {', '.join(DEFAULT_TRANSPORTS)})")  # fmt: skip
     add("--park-token-file", type=Path, metavar="FILE",
         help="with --target: the park token (or env KVPARK_PARK_TOKEN)")  # fmt: skip
     add("--fetch-token-file", type=Path, metavar="FILE",
@@ -80,7 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace) -> sections.Plan:
     size, reps, tries = QUICK if args.quick else FULL
     chunks = tuple(dict.fromkeys(args.chunk or [2**20]))
-    transports = tuple(dict.fromkeys(args.transport or [DEFAULT_TRANSPORT]))
+    transports = tuple(dict.fromkeys(args.transport or DEFAULT_TRANSPORTS))
     return sections.Plan(args.size or size, chunks, args.reps or reps,
                          args.latency_tries or tries, transports, args.quick)  # fmt: skip
 
@@ -128,6 +131,18 @@ def check_fits(plan: sections.Plan, info: ProducerInfo) -> None:
         raise RuntimeError(f"the pool has {info.pool_free_bytes} bytes free, not {plan.size}")
 
 
+def offered_transports(
+    info: ProducerInfo, wanted: tuple[str, ...], *, explicit: bool
+) -> tuple[str, ...]:
+    """The wanted transports the producer offers. One asked for by name that it does not
+    offer is an error; the default set just shrinks to what is there."""
+    offers = {"grpc": True, "tcp": bool(info.data_address), "shm": bool(info.shm_socket)}
+    missing = [name for name in wanted if not offers[name]]
+    if missing and explicit:
+        raise RuntimeError(f"the producer does not offer {', '.join(missing)}")
+    return tuple(name for name in wanted if offers[name])
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     park_args, fetch_args = client_args(args)
@@ -147,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
             progress("starting our own producer (python -m kvpark.producer)")
             own = OwnProducer(own_pool_bytes(plan), max(*plan.chunks, 2**20))
             target, work.producer_pid = own.target, own.pid
+        work.target = target
+        work.prober_args = ProberArgs(
+            token=fetch_args.get("token"),
+            tls_ca=getattr(args, "tls_ca", None),
+            tls_key=getattr(args, "tls_key", None),
+            tls_cert=getattr(args, "tls_cert", None),
+            tls=fetch_args.get("credentials") is not None,
+        )
         # The clients' default room, unless a chunk needs more: a limit below the producer's
         # own would only earn a warning.
         limit = max(*plan.chunks, DEFAULT_MAX_CHUNK_BYTES)
@@ -158,7 +181,18 @@ def run(args: argparse.Namespace) -> int:
             )
         info = work.clients[plan.transports[0]][1].server_info(timeout=args.rpc_timeout)
         check_fits(plan, info)
-        for name, section in (("transfer", sections.transfer), ("latency", sections.latency)):
+        offered = offered_transports(info, plan.transports, explicit=bool(args.transport))
+        for name in set(plan.transports) - set(offered):
+            progress(f"{name}: not offered by this producer, left out")
+            for client in work.clients.pop(name):
+                client.close()
+        work.plan = plan = dataclasses.replace(plan, transports=offered)
+        for name, section in (
+            ("warm-up", sections.warm_up),
+            ("transfer", sections.transfer),
+            ("concurrent", sections.concurrent),
+            ("latency", sections.latency),
+        ):
             try:
                 section(work)
             except sections.Check as exc:

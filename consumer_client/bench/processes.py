@@ -62,17 +62,21 @@ def stop_pid(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int | None:
 
 
 class OwnProducer:
-    """`python -m kvpark.producer` on a free loopback port, owned by this object."""
+    """`python -m kvpark.producer` on a free loopback port, owned by this object, offering
+    every transport: a data listener on another free loopback port, and a shared-memory
+    socket in a private temporary directory."""
 
     def __init__(self, pool_bytes: int, max_chunk_bytes: int) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
         self.target = f"127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="kvpark-bench-")
         # max-batch-share 1: the pool is sized for one transfer, which may fill it.
         argv = [sys.executable, "-m", "kvpark.producer", "--listen", self.target]
         argv += ["--pool-bytes", str(pool_bytes), "--max-chunk-bytes", str(max_chunk_bytes)]
         argv += ["--max-batch-share", "1", "--metrics-listen", "", "--log-level", "warning"]
+        argv += ["--data-listen", "127.0.0.1:0", "--shm-socket", f"{self._dir.name}/shm.sock"]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=child_env())  # fmt: skip
@@ -102,3 +106,4 @@ class OwnProducer:
             return stop_pid(self.proc)
         finally:
             self._log.close()
+            self._dir.cleanup()

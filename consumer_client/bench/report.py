@@ -12,11 +12,16 @@ from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
-from .sections import Row
+from . import targets
+from .sections import STREAMS, Row
 
 GB = 1e9
 NAMES = {"raw_tcp": "raw TCP loopback", "park": "park", "fetch": "fetch",
-         "lookup": "unary Lookup", "late_fetch": "late fetch (RELEASED id)"}  # fmt: skip
+         "fetch_concurrent": f"{STREAMS} fetches at once", "lookup": "unary Lookup",
+         "late_fetch": "late fetch (RELEASED id)",
+         "late_fetch_busy": f"late fetch during {STREAMS} fetches"}  # fmt: skip
+TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "fetch_concurrent")
+LATENCY_KINDS = ("lookup", "late_fetch", "late_fetch_busy")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -41,19 +46,28 @@ def _transfer(row: Row, raw: Row, nbytes: int) -> dict[str, Any]:
 def document(meta: dict[str, Any], rows: Sequence[Row], nbytes: int) -> dict[str, Any]:
     transfer: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
-    raw: Row | None = None
+    raw: dict[int, Row] = {}  # chunk size -> its raw-TCP row
+    single: dict[tuple[str | None, int], Row] = {}  # (transport, chunk) -> its fetch row
     for row in (r for r in rows if r.seconds):
         if row.kind == "raw_tcp":
-            raw = row
-        if row.kind in ("raw_tcp", "park", "fetch") and raw is not None:
-            transfer.append(_transfer(row, raw, nbytes))
-        elif row.kind in ("lookup", "late_fetch"):
+            raw[row.chunk_bytes] = row
+        if row.kind == "fetch":
+            single[row.transport, row.chunk_bytes] = row
+        if row.kind in TRANSFER_KINDS and row.chunk_bytes in raw:
+            transfer.append(_transfer(row, raw[row.chunk_bytes], nbytes))
+            alone = single.get((row.transport, row.chunk_bytes))
+            if row.kind == "fetch_concurrent" and alone is not None:
+                # Aggregate throughput over one load's: the same bytes, in one wall time each.
+                transfer[-1]["ratio_to_single"] = median(alone.seconds) / median(row.seconds)
+        elif row.kind in LATENCY_KINDS:
             latency.append({"kind": row.kind, "transport": row.transport, "n": len(row.seconds),
                             "p50_us": percentile(row.seconds, 50) * 1e6,
                             "p99_us": percentile(row.seconds, 99) * 1e6})  # fmt: skip
             if row.kind == "late_fetch" and latency[-2]["kind"] == "lookup":
                 latency[-1]["p50_ratio_to_lookup"] = latency[-1]["p50_us"] / latency[-2]["p50_us"]
-    return {**meta, "transfer": transfer, "latency": latency}
+    doc = {**meta, "transfer": transfer, "latency": latency}
+    doc["targets"] = [t.as_dict() for t in targets.evaluate(doc)]
+    return doc
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -63,13 +77,15 @@ def table(doc: dict[str, Any]) -> str:
              f"per transfer, {plan['reps']} repetition(s); producer {producer['target']} ({who})",
              f"python {v['python']}, grpcio {v['grpcio']}, numpy {v['numpy']}, kvpark "
              f"{v['kvpark']}; {doc['cpus']} CPUs", ""]  # fmt: skip
-    cells = [["transfer", "chunk", "GB/s", "slowest-fastest", "x raw TCP", "CPU s/GB (this+other)"]]
+    cells = [["transfer", "chunk", "GB/s", "slowest-fastest", "x raw TCP", "CPU s/GB (this+other)",
+              "x one fetch"]]  # fmt: skip
     for r in doc["transfer"]:
         cpu = {k: "?" if x is None else f"{x:.2f}" for k, x in r["cpu_s_per_gb"].items()}
         cells.append([NAMES[r["kind"]] + (f", {r['transport']}" if r["transport"] else ""),
                       f"{r['chunk_bytes'] / 2**20:g} MiB", f"{r['gbps']:.2f}",
                       f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f}", f"{r['ratio_to_raw_tcp']:.2f}",
-                      f"{cpu['total']} ({cpu['this']} + {cpu['other']})"])  # fmt: skip
+                      f"{cpu['total']} ({cpu['this']} + {cpu['other']})",
+                      f"{r['ratio_to_single']:.2f}" if "ratio_to_single" in r else ""])  # fmt: skip
     lines += [*_columns(cells), ""] if doc["transfer"] else []
     cells = [["latency (idle)", "n", "p50 us", "p99 us", "x Lookup p50"]]
     for r in doc["latency"]:
@@ -77,6 +93,13 @@ def table(doc: dict[str, Any]) -> str:
         cells.append([f"{NAMES[r['kind']]}, {r['transport']}", str(r["n"]), f"{r['p50_us']:,.0f}",
                       f"{r['p99_us']:,.0f}", "" if ratio is None else f"{ratio:.2f}"])  # fmt: skip
     lines += [*_columns(cells), ""] if doc["latency"] else []
+    cells = [["target", "measured", "goal", "", "unit"]]
+    for t in doc["targets"]:
+        measured = "-" if t["measured"] is None else f"{t['measured']:.2f}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        cells.append([t["name"], measured, f"{'>=' if t['at_least'] else '<='} {t['goal']:g}",
+                      verdict, t["unit"]])  # fmt: skip
+    lines += [*_columns(cells), ""]
     if doc["ok"]:
         lines.append(f"ok: every byte verified ({doc['verified_bytes'] / 1e6:,.0f} MB compared "
                      f"after raw TCP and fetch) in {doc['elapsed_s']:.1f} s")  # fmt: skip

@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,12 +26,15 @@ from .._result import Reason
 from .._sync import KVConsumer
 from ..parker import KVParker
 from . import payload
+from .late_fetcher import Prober, ProberArgs
 from .processes import cpu_seconds, spent
 from .rawtcp import RawTcp
+from .transports import TRANSPORTS
 
 T = TypeVar("T")
 LATENCY_CALL_S = 10.0  # each latency try's deadline: a hung producer fails the section
 LATENCY_MAX_S = 120.0  # and all of them together stop after this
+STREAMS = 16  # loads at once in the concurrent section
 Clients = dict[str, tuple[KVParker, KVConsumer]]  # transport -> its clients
 
 
@@ -56,7 +61,7 @@ class Row:
     """One figure's samples: seconds per repetition (or try), and CPU seconds of this process
     and of the other end (None where it is not ours to read)."""
 
-    kind: str  # raw_tcp, park, fetch, lookup, late_fetch
+    kind: str  # raw_tcp, park, fetch, fetch_concurrent, lookup, late_fetch, late_fetch_busy
     transport: str | None
     chunk_bytes: int = 0
     seconds: list[float] = field(default_factory=list)
@@ -76,19 +81,54 @@ class Run:
     rows: list[Row] = field(default_factory=list)
     verified_bytes: int = 0
     tag: str = field(default_factory=lambda: f"kvpark-bench-{uuid.uuid4().hex[:8]}")
+    # The producer, and what the late-fetch prober needs to reach it (late_fetcher.py).
+    target: str = ""
+    prober_args: ProberArgs = field(default_factory=ProberArgs)
+    # transport -> (the parker's, the consumer's) shared buffer, made on first use.
+    shared: dict[str, tuple[payload.U8, payload.U8]] = field(default_factory=dict)
 
     def compare(self, got: payload.U8, expected: payload.U8, what: str) -> None:
         if (where := payload.first_difference(got, expected)) >= 0:
             raise Check(f"{what}: byte {where} differs from what was sent")
         self.verified_bytes += len(got)
 
-    def timed(self, row: Row, call: Callable[[], T]) -> T:
+    def buffers(
+        self, transport: str, source: payload.U8, dest: payload.U8
+    ) -> tuple[payload.U8, payload.U8]:
+        """Where a transport parks from and loads into: for shm, the clients' shared buffers
+        (the source copied into the parker's, untimed); otherwise `source` and `dest`."""
+        if not TRANSPORTS[transport].shared:
+            return source, dest
+        if transport not in self.shared:
+            parker, consumer = self.clients[transport]
+            size = self.plan.size
+            self.shared[transport] = parker.shared_buffer(size), consumer.shared_buffer(size)
+        staged, landing = self.shared[transport]
+        staged[: len(source)] = source
+        return staged[: len(source)], landing[: len(dest)]
+
+    def timed(self, row: Row | None, call: Callable[[], T]) -> T:
+        """`call()`, its seconds and CPU added to `row` (untimed without one)."""
+        if row is None:
+            return call()
         other, this = cpu_seconds(self.producer_pid), time.process_time()
         started = time.perf_counter()
         result = call()
         seconds = time.perf_counter() - started
         row.add(seconds, time.process_time() - this, spent(other, cpu_seconds(self.producer_pid)))
         return result
+
+
+def warm_up(run: Run) -> None:
+    """One small park and load per transport before anything is timed, as in a worker that
+    has been serving: channels connected, the producer's epoch known to both clients (a
+    shared buffer is lent only to the producer whose epoch the client knows), buffers lent."""
+    for transport in run.plan.transports:
+        parker, consumer = run.clients[transport]
+        parker.server_info(timeout=LATENCY_CALL_S)
+        consumer.server_info(timeout=LATENCY_CALL_S)
+        source, dest = run.buffers(transport, payload.pattern(4096), np.empty(4096, np.uint8))
+        _park_and_fetch(run, transport, f"{run.tag}-{transport}-warm-up", source, 4096, dest)
 
 
 def transfer(run: Run) -> None:
@@ -101,8 +141,11 @@ def transfer(run: Run) -> None:
         dest = np.empty(p.size, dtype=np.uint8)
         for ci, chunk in enumerate(p.chunks):
             raw = Row("raw_tcp", None, chunk)
-            rows = {t: (Row("park", t, chunk), Row("fetch", t, chunk)) for t in p.transports}
-            run.rows += [raw, *(row for pair in rows.values() for row in pair)]
+            rows = {
+                t: (Row("park", t, chunk) if TRANSPORTS[t].parks else None, Row("fetch", t, chunk))
+                for t in p.transports
+            }
+            run.rows += [raw, *(row for pair in rows.values() for row in pair if row)]
             for rep in range(p.reps):
                 index = ci * p.reps + rep
                 expected = payload.window(source, index, p.size)
@@ -124,38 +167,112 @@ def transfer(run: Run) -> None:
 
 def _park_and_fetch(
     run: Run, transport: str, kid: str, expected: payload.U8, chunk: int, dest: payload.U8,
-    park_row: Row, fetch_row: Row,
+    park_row: Row | None = None, fetch_row: Row | None = None,
 ) -> None:  # fmt: skip
+    """Parks `expected` and loads it back, timed into the rows given; checks the transport
+    each took, every byte, and confirms the delivery untimed."""
     parker, consumer = run.clients[transport]
     size, timeout = len(expected), run.plan.call_timeout_s
-    view = memoryview(expected)  # type: ignore[arg-type]
-    pieces = [view[i : i + chunk] for i in range(0, size, chunk)]
+    source, dest = run.buffers(transport, expected, dest)
+    pieces = _pieces(source, chunk)
     n = len(pieces)
-    parked = run.timed(park_row, lambda: parker.park(kid, pieces, timeout=timeout))
+    parked = run.timed(park_row, partial(parker.park, kid, pieces, timeout=timeout))
     if not (parked.ok and (parked.chunks_parked, parked.bytes_parked) == (n, size)):
         raise Check(f"park of {kid!r} ({n} chunks, {size} bytes) answered {parked}")
     dest.fill(0)
-    loaded = run.timed(
-        fetch_row,
-        lambda: consumer.load(kid, num_chunks=n, into=dest, timeout=timeout, confirm=False),
-    )
+    load = partial(consumer.load, kid, num_chunks=n, into=dest, timeout=timeout, confirm=False)
+    loaded = run.timed(fetch_row, load)
     if not (loaded.ok and (loaded.chunks_loaded, loaded.bytes) == (n, size)):
         raise Check(f"load of {kid!r} ({n} chunks, {size} bytes) answered {loaded}")
-    if (parked.transport, loaded.transport) != (transport, transport):
-        raise Check(f"{kid!r} went by {parked.transport}/{loaded.transport}, not {transport}")
+    want = (transport if TRANSPORTS[transport].parks else "grpc", transport)
+    if (parked.transport, loaded.transport) != want:
+        raise Check(f"{kid!r} went by {parked.transport}/{loaded.transport}, not {want}")
     run.compare(dest, expected, f"fetch of {kid!r}")
     if not (confirmed := consumer.confirm(loaded)).ok:
         raise Check(f"confirming the delivery of {kid!r} answered {confirmed}")
 
 
+def _pieces(source: payload.U8, chunk: int) -> list[memoryview]:
+    view = memoryview(source)  # type: ignore[arg-type]
+    return [view[i : i + chunk] for i in range(0, len(source), chunk)]
+
+
+def concurrent(run: Run) -> None:
+    """STREAMS loads at once, each of 1/STREAMS of a transfer, into their own slice of one
+    destination, against the single load of the whole transfer measured before: the aggregate
+    seconds. Meanwhile another process sends late fetches (late_fetcher.py): what a turned-away
+    decode worker waits while the producer is busy."""
+    p = run.plan
+    chunk = p.chunks[0]
+    part = p.size // STREAMS // chunk * chunk  # whole chunks per stream, the rest to the last
+    if part == 0:
+        run.progress(f"concurrent loads: left out, --size is under {STREAMS} chunks")
+        return
+    source = payload.pattern(p.size)
+    for transport in p.transports:
+        parker, consumer = run.clients[transport]
+        prober = Prober(run.target, _released(run, transport, "busy-late"), run.prober_args)
+        load_row = Row("fetch_concurrent", transport, chunk)
+        late_row = Row("late_fetch_busy", transport)
+        run.rows += [load_row, late_row]
+        staged, dest = run.buffers(transport, source, np.empty(p.size, dtype=np.uint8))
+        for rep in range(p.reps):
+            run.progress(f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}")
+            kids = [f"{run.tag}-{transport}-c{rep}-{i}" for i in range(STREAMS)]
+            spans = [
+                (i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)
+            ]
+            for kid, (start, end) in zip(kids, spans, strict=True):
+                parked = parker.park(kid, _pieces(staged[start:end], chunk),
+                                     timeout=p.call_timeout_s)  # fmt: skip
+                if not parked.ok:
+                    raise Check(f"park of {kid!r} answered {parked}")
+            dest.fill(0)
+            prober.go()
+            try:
+                results = run.timed(load_row, partial(_load_all, run, transport, kids, spans, dest))
+            finally:
+                for seconds in prober.stop():
+                    late_row.add(seconds, 0.0, None)
+            for kid, result in zip(kids, results, strict=True):
+                if not result.ok or result.transport != transport:
+                    raise Check(f"concurrent load of {kid!r} answered {result}")
+            run.compare(dest, source, f"{STREAMS} concurrent loads, {transport}")
+            for result in results:
+                consumer.confirm(result)
+        prober.close()
+
+
+def _load_all(
+    run: Run, transport: str, kids: list[str], spans: list[tuple[int, int]], dest: payload.U8
+) -> list[Any]:
+    consumer = run.clients[transport][1]
+    timeout = run.plan.call_timeout_s
+
+    def load(kid: str, span: tuple[int, int]) -> Any:
+        into = dest[span[0] : span[1]]
+        return consumer.load(kid, into=into, timeout=timeout, confirm=False)
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        loads = [pool.submit(load, kid, span) for kid, span in zip(kids, spans, strict=True)]
+        return [f.result() for f in loads]
+
+
+def _released(run: Run, transport: str, name: str) -> str:
+    """An id parked and released: the producer keeps only its tombstone."""
+    parker = run.clients[transport][0]
+    kid = f"{run.tag}-{transport}-{name}"
+    parked = parker.park(kid, [payload.pattern(4096)], timeout=LATENCY_CALL_S)
+    released = parker.release(kid, timeout=LATENCY_CALL_S)
+    if not (parked.ok and released.ok):
+        raise Check(f"park, then release, of {kid!r} answered {parked}, {released}")
+    return kid
+
+
 def latency(run: Run) -> None:
     for transport in run.plan.transports:
-        parker, consumer = run.clients[transport]
-        kid = f"{run.tag}-{transport}-late"
-        parked = parker.park(kid, [payload.pattern(4096)], timeout=LATENCY_CALL_S)
-        released = parker.release(kid, timeout=LATENCY_CALL_S)
-        if not (parked.ok and released.ok):
-            raise Check(f"park, then release, of {kid!r} answered {parked}, {released}")
+        consumer = run.clients[transport][1]
+        kid = _released(run, transport, "late")
 
         def lookup(kid: str = kid, consumer: KVConsumer = consumer) -> None:
             [state] = consumer.lookup([kid], timeout=LATENCY_CALL_S)

@@ -111,6 +111,12 @@ class ChunkRef(_message.Message):
     nbytes: int
     def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
+class ChunkRefs(_message.Message):
+    __slots__ = ("refs",)
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    refs: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    def __init__(self, refs: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
+
 class ParkCommit(_message.Message):
     __slots__ = ("chunks", "bytes")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -120,16 +126,16 @@ class ParkCommit(_message.Message):
     def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ParkRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit", "chunk_ref")
+    __slots__ = ("header", "chunk", "commit", "chunk_refs")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_REF_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_REFS_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
     chunk: Chunk
     commit: ParkCommit
-    chunk_ref: ChunkRef
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ..., chunk_ref: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
+    chunk_refs: ChunkRefs
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ..., chunk_refs: _Optional[_Union[ChunkRefs, _Mapping]] = ...) -> None: ...
 
 class ParkResponse(_message.Message):
     __slots__ = ("status", "reason", "detail", "chunks_parked", "producer_epoch", "lease_remaining_s", "retry_after_s", "bytes_parked", "total_chunks", "advertise_address", "transports")
@@ -186,8 +192,8 @@ class FetchResponse(_message.Message):
     chunk: Chunk
     done: TransferDone
     data_offer: DataOffer
-    placed: ChunkPlaced
-    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., data_offer: _Optional[_Union[DataOffer, _Mapping]] = ..., placed: _Optional[_Union[ChunkPlaced, _Mapping]] = ...) -> None: ...
+    placed: ChunksPlaced
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., data_offer: _Optional[_Union[DataOffer, _Mapping]] = ..., placed: _Optional[_Union[ChunksPlaced, _Mapping]] = ...) -> None: ...
 
 class DataOffer(_message.Message):
     __slots__ = ("transport", "address", "ticket", "tls")
@@ -212,6 +218,12 @@ class ChunkPlaced(_message.Message):
     offset: int
     nbytes: int
     def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ChunksPlaced(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlaced]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkPlaced, _Mapping]]] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("status", "reason", "detail", "chunks_sent", "bytes_sent", "delivery_id", "producer_epoch", "transport")

@@ -1,7 +1,8 @@
 """`kvpark bench`, the operator benchmark in the wheel, run as an operator runs it: the installed
 command in a subprocess. By default it starts, measures and stops a producer of its own; with
 --target it measures a running producer and leaves it running. The JSON is checked for what
-the command promises (every byte verified, positive throughputs and ratios, both latency rows),
+the command promises (every byte verified, a row per transport the producer offers, positive
+throughputs and ratios, the latency rows, each target met, missed or not measured),
 never for how fast this machine is. Each run is bounded by its subprocess timeout.
 """
 
@@ -31,23 +32,42 @@ def kvpark(*argv: str, timeout: float, env: dict[str, str] | None = None) -> Any
     )  # fmt: skip
 
 
-def check_document(doc: dict[str, Any], chunks: list[int], reps: int, tries: int) -> None:
+def check_document(
+    doc: dict[str, Any], chunks: list[int], reps: int, tries: int, transports: list[str]
+) -> None:
     assert doc["ok"] is True and doc["failures"] == [], doc["failures"]
+    assert doc["plan"]["transports"] == transports
     size = doc["plan"]["size_bytes"]
-    # raw TCP and fetch of every repetition, compared byte for byte
-    assert doc["verified_bytes"] == 2 * size * reps * len(chunks)
-    rows = {(r["kind"], r["chunk_bytes"]): r for r in doc["transfer"]}
-    assert sorted(rows) == sorted((k, c) for k in ("raw_tcp", "park", "fetch") for c in chunks)
-    for (kind, _), row in rows.items():
-        assert row["transport"] == (None if kind == "raw_tcp" else "grpc")
+    concurrent = size >= 16 * chunks[0]  # 16 loads of whole chunks at once, when they fit
+    # raw TCP and each transport's fetch of every repetition, the concurrent loads, and the
+    # warm-up's 4 KiB per transport: all compared byte for byte
+    verified = size * reps * len(chunks) * (1 + len(transports)) + 4096 * len(transports)
+    assert doc["verified_bytes"] == verified + concurrent * size * reps * len(transports)
+    rows = {(r["kind"], r["transport"], r["chunk_bytes"]): r for r in doc["transfer"]}
+    expected = {("raw_tcp", None, c) for c in chunks}
+    expected |= {("park", t, c) for t in transports if t != "tcp" for c in chunks}
+    expected |= {("fetch", t, c) for t in transports for c in chunks}
+    expected |= {("fetch_concurrent", t, chunks[0]) for t in transports if concurrent}
+    assert rows.keys() == expected
+    for row in rows.values():
         assert len(row["seconds"]) == reps and row["gbps"] > 0, row
         assert 0 < row["ratio_to_raw_tcp"] < math.inf, row
         assert row["cpu_s_per_gb"]["this"] > 0, row
-    latency = {r["kind"]: r for r in doc["latency"]}
-    assert latency.keys() == {"lookup", "late_fetch"}
-    for row in latency.values():
-        assert row["n"] == tries and 0 < row["p50_us"] <= row["p99_us"], row
-    assert latency["late_fetch"]["p50_ratio_to_lookup"] > 0
+        if row["kind"] == "fetch_concurrent":
+            assert 0 < row["ratio_to_single"] < math.inf, row
+    latency = {(r["kind"], r["transport"]): r for r in doc["latency"]}
+    busy = {("late_fetch_busy", t) for t in transports if concurrent}
+    assert latency.keys() == {(k, t) for k in ("lookup", "late_fetch") for t in transports} | busy
+    for (kind, _), row in latency.items():
+        assert row["n"] == tries if kind != "late_fetch_busy" else row["n"] >= reps, row
+        assert 0 < row["p50_us"] <= row["p99_us"], row
+        assert row.get("p50_ratio_to_lookup", 1) > 0
+    targets = {t["name"]: t for t in doc["targets"]}
+    assert (targets["fetch over tcp"]["met"] is None) == ("tcp" not in transports)
+    assert (targets["park over grpc"]["measured"] is None) == ("grpc" not in transports)
+    for target in targets.values():
+        assert target["met"] in (True, False, None), target
+        assert (target["met"] is None) == (target["measured"] is None), target
 
 
 def test_quick_run_with_its_own_producer(tmp_path: Path) -> None:
@@ -56,7 +76,7 @@ def test_quick_run_with_its_own_producer(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == doc
-    check_document(doc, [2**20], reps=2, tries=200)
+    check_document(doc, [2**20], reps=2, tries=200, transports=["grpc", "tcp", "shm"])
     assert doc["plan"]["quick"] is True and doc["elapsed_s"] < 30
     for row in doc["transfer"]:  # both processes' CPU is read when the producer is ours
         assert row["cpu_s_per_gb"]["other"] > 0 and row["cpu_s_per_gb"]["total"] > 0, row
@@ -79,7 +99,8 @@ def test_target_measures_a_running_producer_and_leaves_it_running(
     proc = kvpark(*args, "--json", "--quiet", timeout=60, env=fetch_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
-    check_document(doc, [2**20, 2**21], reps=2, tries=20)
+    # This producer offers neither a data listener nor a shared-memory socket: gRPC alone.
+    check_document(doc, [2**20, 2**21], reps=2, tries=20, transports=["grpc"])
     assert doc["producer"] == {"own": False, "target": producer.target, "pid": None,
                                "version": doc["producer"]["version"]}  # fmt: skip
     for row in doc["transfer"]:  # the producer's CPU time is not ours to read; the peer's is
@@ -92,7 +113,7 @@ def test_target_measures_a_running_producer_and_leaves_it_running(
     failed = kvpark(*args[:3], "--park-token-file", str(wrong), *args[5:], "--quiet",
                     timeout=60, env=fetch_env)  # fmt: skip
     assert failed.returncode == 1, failed.stdout + failed.stderr
-    assert "FAILED: transfer: AuthError" in failed.stdout
+    assert "FAILED: warm-up: AuthError" in failed.stdout
     # More than the producer takes in one batch (half its 64 MiB pool): a usage error.
     too_big = kvpark(*args[:5], "--size", "40MB", "--quiet", timeout=60, env=fetch_env)
     assert too_big.returncode == 2 and "lower --size" in too_big.stderr

@@ -2,7 +2,8 @@
 cancel from either side, a producer killed mid-transfer, tickets that are reused or forged,
 TLS on the data connection, a lent buffer too small, the pool's invariants after each case.
 The state machine is the same whatever moves the bytes, so each case checks the outcome the
-gRPC stream would have given."""
+gRPC stream would have given. Park by reference is also driven frame by frame, to show the
+grouping of ChunkRefs and what a bad group leaves behind."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from conftest import MiB, running_producer, wait_until
 
-from kvpark import BufferTooSmallError, KVConsumer, KVParker, Reason
+from kvpark import BufferTooSmallError, KVConsumer, KVParker, Reason, wire
+from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
 from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES
 
 CHUNK = MiB
@@ -365,4 +369,64 @@ async def test_a_lend_the_producer_does_not_hold_falls_back_to_grpc(shm_socket: 
 
         result = await in_thread(run)
         assert result.ok and result.transport in ("tcp", "grpc")
+        server.lot.check_invariants()
+
+
+# ================================================================ Park by reference, in groups
+async def test_shm_park_names_many_chunks_per_message_and_one_bad_crc_keeps_none(
+    shm_socket: str,
+) -> None:
+    """A park of 100 small chunks by reference goes as a few ChunkRefs messages (64 per
+    message at most), every byte kept; a ChunkRefs whose second group holds a wrong CRC32C,
+    or an empty one, or one without a lent buffer, leaves nothing of the batch behind."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        with ShmLender(shm_socket, None, 5.0) as lender:
+            lender.connect()
+            buffer = SharedBuffer(100 * 4096)
+            buffer.array[:] = np.random.default_rng(3).integers(0, 256, 100 * 4096, np.uint8)
+            lend_id = lender.lend(buffer, PARK_ROLE)
+            blocks = [buffer.array[i * 4096 : (i + 1) * 4096] for i in range(100)]
+
+            def refs(first: int, n: int, bad: int | None = None) -> bytes:
+                group = pb.ChunkRefs()
+                for cid in range(first, first + n):
+                    crc = crc32c_of(blocks[cid]) ^ (1 if cid == bad else 0)
+                    group.refs.add(chunk_id=cid, crc32c=crc, offset=cid * 4096, nbytes=4096)
+                return pb.ParkRequest(chunk_refs=group).SerializeToString()
+
+            def park(kid: str, body: list[bytes], lend: str = lend_id) -> Any:
+                header = pb.ParkHeader(kv_request_id=kid, total_chunks=100, shm_lend_id=lend)
+                commit = wire.encode_park_commit(100, 100 * 4096)
+                frames = [pb.ParkRequest(header=header).SerializeToString(), *body, commit]
+                return stub(iter(frames))
+
+            with grpc.insecure_channel(server.target) as channel:
+                stub = channel.stream_unary(
+                    "/kvpark.v1.KVProducer/Park",
+                    request_serializer=None,
+                    response_deserializer=pb.ParkResponse.FromString,
+                )
+                good = await in_thread(park, "grouped", [refs(0, 64), refs(64, 36)])
+                bad = await in_thread(park, "bad-crc", [refs(0, 64), refs(64, 36, bad=70)])
+                with pytest.raises(grpc.RpcError) as empty:
+                    await in_thread(park, "empty", [refs(0, 64), pb.ParkRequest(
+                        chunk_refs=pb.ChunkRefs()).SerializeToString()])  # fmt: skip
+                with pytest.raises(grpc.RpcError) as unlent:
+                    await in_thread(park, "unlent", [refs(0, 64)], "")
+        assert good.status == pb.STATUS_OK and good.chunks_parked == 100, good
+        assert bad.reason == pb.REASON_CHECKSUM_MISMATCH and "chunk 70" in bad.detail, bad
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert unlent.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "shm_lend_id" in (unlent.value.details() or "")
+
+        def load() -> Any:
+            with KVConsumer(server.target) as consumer:
+                return consumer.load("grouped", num_chunks=100)
+
+        loaded = await in_thread(load)
+        assert loaded.ok and loaded.data is not None
+        assert loaded.data.tobytes() == buffer.array.tobytes()
+        for status in server.lot.lookup(["bad-crc", "empty", "unlent"]):
+            assert (status.chunks_parked, status.nbytes) == (0, 0), status
+        await wait_until(lambda: server.pool.statistics().used_bytes == 0, what="all freed")
         server.lot.check_invariants()
