@@ -10,14 +10,11 @@ diagnostics that explain its figures, run from a checkout:
 - `python -m benchmarks.acceptfloor`: late-call latency while 16 streams run, on bare grpcio;
 - `grpcfloor` (the bare-gRPC baseline), `rawtcp`, `prober`, `reaper`, `memory`: its sections.
 
-Removed: the ablation (`benchmarks.ablation`, and its test). It measured a producer with
-production modules patched at run time (`kvpark.producer.__main__.tune_allocator`,
-`kvpark.producer.server.method_handlers`), so it benchmarked code that is not what ships, and
-it broke silently whenever the servicer changed shape. Its chunk-size lever is now `kvpark
-bench --chunk 64KiB,4MiB`; the allocator and framing levers it measured are recorded in
-docs/performance.md section 4, to be remeasured, if ever, by a producer option rather than a
-patch. Nothing here touches an installed module: the lab only calls the public clients, the
-wire module and (reaper) the producer's Lot and HostPool as they are.
+Nothing here touches an installed module: the lab only calls the public clients, the wire
+module and (reaper) the producer's Lot and HostPool as they are. A benchmark that patched
+production modules at run time would measure code that does not ship and break silently when
+the servicer changes shape; the chunk-size lever is measured with `kvpark bench --chunk
+64KiB,4MiB`, and the allocator and framing levers would need a producer option, not a patch.
 
 Modules: `cli` (the sections), `report` (figures, targets, table, JSON), `env` (processes,
 allocator, RSS, CPU), `helper` (helper processes' line protocol), `data` (pattern and byte

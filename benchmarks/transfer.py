@@ -92,8 +92,9 @@ def park_checked(
     measures the upload alone."""
     crcs = data.chunk_crcs(payload, chunk)
     # The data producer's lease is short (late-fetch probes need ids that are reaped soon);
-    # a KeepAlive before the first chunk (an intent, docs/protocol.md) keeps this id from
-    # being reaped mid-upload or before its fetch on a busy machine. Not timed.
+    # a KeepAlive before the park records an intent (docs/protocol.md, KeepAlive), so the lease
+    # the commit starts lasts KEEP_S and a busy machine does not reap the id before its fetch.
+    # Not timed.
     parker.keep_alive([kid], KEEP_S)
     if cpu is not None:
         cpu.start()

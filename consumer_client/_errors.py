@@ -33,10 +33,11 @@ class UsageError(KVParkError, ValueError):
 class BufferTooSmallError(UsageError):
     """The producer's chunks do not fit in the caller's `into` buffer (it was sized for KV of
     another shape: a bug or a prefill/decode configuration mismatch, so it is raised rather
-    than silently recomputed). The Fetch is cancelled first; if the producer had not sent the
-    whole id yet, it is PARKED again and a retry with a larger buffer can load it, otherwise
-    the producer already counts it consumed. `chunks_loaded` chunks (`bytes_loaded` bytes) had
-    landed, verified, at the start of `into`."""
+    than silently recomputed). The Fetch is cancelled and the delivery is not confirmed, so the
+    producer keeps the bytes: the id goes back to where it was (PARKED with its lease, or
+    DELIVERED with its grace), or, if every chunk had been sent, stays DELIVERED for
+    `delivery_grace_s`; either way a retry with a larger buffer can load it meanwhile.
+    `chunks_loaded` chunks (`bytes_loaded` bytes) had landed, verified, at the start of `into`."""
 
     def __init__(self, message: str, *, needed: int, available: int, chunks_loaded: int,
                  bytes_loaded: int) -> None:  # fmt: skip
@@ -113,14 +114,15 @@ _TABLE: dict[grpc.StatusCode, tuple[Reason | None, type[RPCError]]] = {
     _S.CANCELLED: (Reason.CANCELLED, TransportError),
     # A producer handler crashed, or a proxy answered something unparseable.
     _S.UNKNOWN: (Reason.RPC_ERROR, ProtocolError),
-    # Malformed request: bad id, chunk id out of range (spec §2). A caller bug: raise.
+    # Malformed request: bad id, chunk id out of range (docs/protocol.md, Outcomes). A caller
+    # bug: raise.
     _S.INVALID_ARGUMENT: (None, RequestRejectedError),
     # The gRPC deadline (our total load timeout) passed.
     _S.DEADLINE_EXCEEDED: (Reason.TIMEOUT, TransportError),
     # kvpark answers in-band; these come from proxies or a foreign server.
     _S.NOT_FOUND: (Reason.RPC_ERROR, ProtocolError),
     _S.ALREADY_EXISTS: (Reason.RPC_ERROR, ProtocolError),
-    # The other role's token (spec §6): configuration, raise.
+    # A valid token of the other role (docs/protocol.md, Roles): configuration, raise.
     _S.PERMISSION_DENIED: (None, AuthError),
     # A message over our receive limit, or a producer/proxy shedding load.
     _S.RESOURCE_EXHAUSTED: (Reason.RPC_ERROR, TransportError),
@@ -136,7 +138,7 @@ _TABLE: dict[grpc.StatusCode, tuple[Reason | None, type[RPCError]]] = {
     # Connection refused, reset, peer gone (SIGKILL), keepalive ping unanswered.
     _S.UNAVAILABLE: (Reason.UNAVAILABLE, TransportError),
     _S.DATA_LOSS: (Reason.RPC_ERROR, ProtocolError),
-    # Missing or unknown token (spec §6): configuration, raise.
+    # Missing or unknown token (docs/protocol.md, Roles): configuration, raise.
     _S.UNAUTHENTICATED: (None, AuthError),
 }
 

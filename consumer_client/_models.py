@@ -49,9 +49,11 @@ class IdStatus:
     # Declared total chunks; 0 = not known.
     total_chunks: int
     bytes: int
-    # Seconds since the first chunk (PARKED/BOUND) or since the id ended (TOMBSTONED).
+    # Seconds since the first commit (PARKED/BOUND/DELIVERED), since the id was first seen (BOUND
+    # before any commit), or since the id ended (TOMBSTONED).
     age_s: float
-    # Seconds until the lease runs out (PARKED) or a KeepAlive intent expires (UNKNOWN).
+    # Seconds until the lease runs out (PARKED), the delivery grace ends (DELIVERED) or a
+    # KeepAlive intent expires (UNKNOWN); 0 otherwise.
     lease_remaining_s: float
 
     @classmethod

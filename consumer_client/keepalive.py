@@ -1,8 +1,9 @@
 """Keeping leases alive while requests wait in the decode queue (docs/protocol.md, KeepAlive).
 
 A prefill parks a request's KV; the decode worker may admit the request only seconds later.
-The producer's lease (`unbound_store_timeout_s`, counted from the first chunk) must not run out
-meanwhile, so the worker sends KeepAlive for every queued id, a few times per lease:
+The producer's lease (`unbound_store_timeout_s`, started by the id's first commit) must not run
+out meanwhile, so the worker sends KeepAlive for every queued id, a few times per lease (for an
+id not committed yet, KeepAlive records an intent its first commit's lease honours):
 
     with client.keep_alive(queued_ids) as ka:      # sync: a daemon thread
         ...  ka.add(new_id) ... ka.discard(admitted_id) ...

@@ -96,7 +96,8 @@ class ProducerConfig:
 
     Construct it with `load_config` (CLI, environment, file), `from_mapping` (programmatic) or
     keyword arguments; derive variants with `replace`. Token values are never shown by repr.
-    Each field is one key of spec section 4; its metadata holds the parser and the help text.
+    Each field is one configuration key (docs/protocol.md lists the timing and size keys); its
+    metadata holds the parser and the help text.
     """
 
     listen: str = field(
@@ -140,7 +141,7 @@ class ProducerConfig:
     )
     unbound_store_timeout_s: float = field(
         default=60.0,
-        metadata=_key(_SECONDS, "lease of parked data nobody fetched, from its first chunk"),
+        metadata=_key(_SECONDS, "lease of committed data nobody fetched, from its first commit"),
     )
     tombstone_retention_s: float = field(
         default=60.0,
@@ -152,7 +153,11 @@ class ProducerConfig:
     )
     max_lease_s: float = field(
         default=600.0,
-        metadata=_key(_SECONDS, "cap for KeepAlive extensions; >= unbound_store_timeout_s"),
+        metadata=_key(
+            _SECONDS,
+            "longest lease, from an id's first commit, however often it is kept alive; "
+            ">= unbound_store_timeout_s",
+        ),
     )
     max_fetch_wait_s: float = field(
         default=30.0,
@@ -181,7 +186,7 @@ class ProducerConfig:
         metadata=_key(
             _SECONDS,
             "a Fetch whose consumer reads nothing this long is cut off; the id keeps its bytes "
-            "with a fresh lease",
+            "with a fresh lease (or delivery grace)",
         ),
     )
     max_batch_share: float = field(

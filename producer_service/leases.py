@@ -1,15 +1,17 @@
-"""Lease deadlines in the order the reaper needs them: earliest first, O(1) in the usual case.
+"""Timer deadlines (leases and delivery graces) in the order the reaper needs them: earliest
+first, O(1) in the usual case.
 
 Almost every lease is armed as `now + unbound_store_timeout_s` with a monotonic `now`, so
 deadlines mostly arrive in order. Those go to a FIFO (`deque`): push and pop are O(1) and touch
 one cache line. Only the out-of-order ones (a cancelled Fetch re-arming an old deadline, a
-KeepAlive or intent giving one id a shorter lease than later ids) go to a heap. The earliest
-item is the smaller of the two heads, so a reaper pass costs O(expired) for in-order leases and
-O(expired · log n) at worst, never O(parked). On this machine the heap alone made a pass that
+KeepAlive or intent giving one id a shorter lease than later ids, a delivery grace shorter than
+the leases ahead of it) go to a heap. The earliest item is the smaller of the two heads, so a
+reaper pass costs O(expired) for in-order leases and O(expired · log n) at worst, never
+O(parked). On this machine the heap alone made a pass that
 expires 1k of 100k ids spend most of its time in `heappop` cache misses.
 
 Items are `(deadline, seq, owner)`; the queue never decides whether an item is still current —
-the lot does (`Lot._lease_item_live`) and discards stale ones as it pops them.
+the lot does (`Lot._timer_item_live`) and discards stale ones as it pops them.
 """
 
 from __future__ import annotations

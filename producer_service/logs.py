@@ -3,9 +3,9 @@
 Structured fields travel as `extra={"kv": {...}}` so the JSON formatter emits them as keys
 (id, reason, peer, ...). Payload bytes and tokens are never passed to a logger.
 
-The seed's lesson: every store for a reaped id logged a warning, so log volume grew with load.
-`RateLimitedWarnings` logs the first warning of a kind per id, then at most one per interval,
-and counts the ones it suppressed (exported as `kvpark_suppressed_warnings_total`).
+A warning per event (say, every late Park or Fetch for an ended id) would make log volume grow
+with load. `RateLimitedWarnings` logs the first warning of a kind per id, then at most one per
+interval, and counts the ones it suppressed (exported as `kvpark_suppressed_warnings_total`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Life of an id:
     (unknown) --Park batch committed--> PARKED --Fetch--> BOUND --all sent--> DELIVERED
     (unknown) --Fetch--> BOUND (a demand: chunks stream as batches are committed)
     BOUND --cancel / wait timeout--> where it was (PARKED with its old lease, or DELIVERED)
-    BOUND --consumer read nothing for fetch_stall_timeout_s--> PARKED with a fresh lease
+    BOUND --consumer read nothing for fetch_stall_timeout_s--> where it was, with a fresh
+        lease (PARKED) or grace (DELIVERED)
     DELIVERED --Release(delivery_id) / delivery_grace_s--> tombstone ALREADY_CONSUMED
     DELIVERED --pool pressure--> tombstone EVICTED;  DELIVERED --Fetch--> BOUND (sent again)
     PARKED --lease runs out--> tombstone REAPED;  PARKED/DELIVERED --Release--> RELEASED

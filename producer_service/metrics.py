@@ -63,7 +63,10 @@ class _StateCollector(Collector):
                 "Payload bytes of open Park batches, not visible until their commit",
                 lot.pending_bytes,
             ),
-            "kvpark_parked_ids": ("Ids with chunks and no Fetch attached", lot.parked_ids),
+            "kvpark_parked_ids": (
+                "Ids with committed chunks, no Fetch attached, not delivered",
+                lot.parked_ids,
+            ),
             "kvpark_bound_ids": ("Ids with a Fetch attached", lot.bound_ids),
             "kvpark_delivered_ids": (
                 "Ids sent completely and kept until their consumer confirms",
@@ -71,7 +74,10 @@ class _StateCollector(Collector):
             ),
             "kvpark_open_park_batches": ("Park batches not committed yet", lot.open_batches),
             "kvpark_tombstones": ("Ended ids remembered for late callers", lot.tombstones),
-            "kvpark_keepalive_intents": ("KeepAlive intents for ids not parked yet", lot.intents),
+            "kvpark_keepalive_intents": (
+                "KeepAlive intents for ids not committed yet",
+                lot.intents,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -146,7 +152,8 @@ class ProducerMetrics:
         )
         self.time_to_fetch_seconds = Histogram(
             "kvpark_time_to_fetch_seconds",
-            "Time from an id's first parked chunk to the Fetch that bound it",
+            "Time from an id's first commit to each Fetch that bound it later (redeliveries "
+            "included; a Fetch bound before the first commit is not counted)",
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )

@@ -1,12 +1,13 @@
 """The host pool: one preallocated block of memory that parked chunks live in.
 
 The pool is allocated once at start-up (`pool_bytes`) and touched so its pages are resident:
-the hot path never asks the OS for memory and never page-faults (performance-notes.md). It is
-cut into fixed pages (`page_bytes`); a chunk occupies whole pages, not necessarily adjacent, so
-there is no fragmentation to manage. Consecutive page indices are merged into one extent, and
-since the free list hands pages out in order, a chunk is usually one extent (one memoryview).
+the hot path never asks the OS for memory and never page-faults, so storing a chunk costs one
+copy into memory already resident. It is cut into fixed pages (`page_bytes`); a chunk occupies
+whole pages, not necessarily adjacent, so there is no fragmentation to manage. Consecutive page
+indices are merged into one extent, and since the free list hands pages out in order, a chunk is
+usually one extent (one memoryview).
 
-Slots and generations (spec §3 Fetch 6, "never serve freed memory"): every stored chunk is a
+Slots and generations (a Fetch must never send memory that was freed): every stored chunk is a
 *slot* with a generation number. A `SlotHandle` names (slot index, generation); `views()` only
 answers while the slot still holds that generation, and freeing a slot bumps it. A handle kept
 by mistake after a free raises `StaleSlotError` instead of reading someone else's bytes.

@@ -2,9 +2,9 @@
 
 `ProducerServer` owns the pool, the lot, the metrics and the grpc.aio server built from one
 validated `ProducerConfig`. `serve()` is what the process runs: it installs the SIGTERM/SIGINT
-handlers and performs the shutdown of spec §3 — health NOT_SERVING, new Parks refused
-SHUTTING_DOWN, bound Fetches drained for up to `shutdown_grace_s`, the rest failed
-SHUTTING_DOWN — and returns exit code 0.
+handlers and performs the shutdown of docs/protocol.md (Shutdown) — health NOT_SERVING, new
+Parks and Fetches refused SHUTTING_DOWN, bound Fetches drained for up to `shutdown_grace_s`,
+the rest failed SHUTTING_DOWN — and returns exit code 0.
 """
 
 from __future__ import annotations
@@ -234,9 +234,10 @@ class ProducerServer:
         return TokenAuthInterceptor(park, fetch, on_suppressed=self.metrics.count_suppressed)
 
     def _warn_half_protected(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
-        """A token for one role only leaves the other role's methods open (spec §6). That is
-        valid — and on loopback, or with client certificates required, harmless — but on an
-        exposed listen it is rarely meant, so it is said once at start-up."""
+        """A token for one role only leaves the other role's methods open (a role with no
+        token is open: docs/protocol.md, Roles). That is valid — and on loopback, or with
+        client certificates required, harmless — but on an exposed listen it is rarely meant,
+        so it is said once at start-up."""
         c = self.config
         if c.listen_is_loopback or c.tls_client_ca_file is not None:
             return
@@ -350,7 +351,8 @@ class ProducerServer:
         )
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """Spec §3 shutdown: NOT_SERVING, refuse Parks, drain bound Fetches, fail the rest."""
+        """The shutdown of docs/protocol.md: NOT_SERVING, refuse Parks and Fetches, drain bound
+        Fetches for the grace, fail the rest."""
         if self._server is None or self._stopped.is_set():
             return
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s

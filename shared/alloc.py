@@ -3,9 +3,9 @@
 
 gRPC hands every received message to Python as a new `bytes` of the chunk's size. With glibc's
 defaults, allocations above 128 KiB are fresh `mmap`s that page-fault on first touch and are
-unmapped on free, so every chunk pays the page faults again: performance-notes.md measured the
-fix at 1.4-2.9x on gRPC streams. Raising M_MMAP_THRESHOLD keeps those buffers on the heap and
-raising M_TRIM_THRESHOLD keeps the heap from being handed back after each one.
+unmapped on free, so every chunk pays the page faults again. Raising M_MMAP_THRESHOLD keeps
+those buffers on the heap and raising M_TRIM_THRESHOLD keeps the heap from being handed back
+after each one.
 
 A library must not change process-wide settings on import, so this is an explicit call at a
 process's start-up (`kvpark-producer`, the `kvpark` CLI and the example worker make it).

@@ -1,8 +1,9 @@
 """Validation of `kv_request_id`, the key both sides and the router share.
 
-Spec §1: a UTF-8 string of 1-256 bytes with no control characters. Checked at every entry
-point (producer handlers, client calls) so that a bad id is a clear INVALID_ARGUMENT / ValueError
-instead of a record nobody can name in a log line.
+The rule (docs/protocol.md): a UTF-8 string of 1-256 bytes with no control characters (C0,
+DEL, C1) and no lone surrogates. Checked at every entry point (producer handlers, client
+calls) so that a bad id is a clear INVALID_ARGUMENT / ValueError instead of a record nobody
+can name in a log line.
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ async def test_buffer_too_small_raises_after_cancelling_the_fetch() -> None:
     async with running_producer(max_fetch_wait_s=30) as server, stub_for(server) as stub:
         chunks = payload(3, 10_000)
         # Chunk 2 is not parked yet, so the stream is still open when chunk 1 overflows: the
-        # cancel reaches the producer before the id is consumed and a retry can load it.
+        # cancel reaches the producer before the id is delivered, so it goes back to PARKED.
         await park(stub, "big", {0: chunks[0], 1: chunks[1]}, total=3)
         recorder = AioRecorder()
         async with AsyncKVConsumer(server.target, interceptors=[recorder]) as client:

@@ -544,9 +544,10 @@ async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
 
 
 async def test_shutdown_fails_a_bound_fetch_that_outlasts_the_grace() -> None:
-    """Spec §3 shutdown: a bound Fetch that cannot finish (its chunk 1 is never parked) is
-    served for the whole grace, not failed at once, then ended with TransferDone{FAILED,
-    SHUTTING_DOWN} and its chunks freed. A short grace keeps the test short."""
+    """Shutdown (docs/protocol.md): a bound Fetch that cannot finish (its chunk 1 is never
+    parked) is served for the whole grace, not failed at once, then ended with
+    TransferDone{FAILED, SHUTTING_DOWN} and its chunks freed. A short grace keeps the test
+    short."""
     grace = 0.5
     async with running_producer(shutdown_grace_s=grace) as server, stub_for(server) as stub:
         await park(stub, "stuck", {0: b"s" * 100}, total=2)
