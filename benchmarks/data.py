@@ -14,26 +14,20 @@ import numpy.typing as npt
 
 from kvpark.checksum import crc32c_of
 
+# The same pattern `kvpark bench` moves, so both benchmarks compare the same bytes.
+from kvpark.client.bench.payload import SHIFT, pattern
+
 from .report import VerificationError
 
 U8 = npt.NDArray[np.uint8]
+__all__ = [
+    "REP_SHIFT", "U8", "check_same", "chunk_crcs", "first_difference", "pattern", "same_bytes",
+    "source_size", "window",
+]  # fmt: skip
 
 # Offset step between repetitions: odd, so windows never line up with each other's words.
-REP_SHIFT = 4099
+REP_SHIFT = SHIFT
 _BLOCK = 64 * 1024 * 1024
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def pattern(nbytes: int) -> U8:
-    """`nbytes` of the benchmark pattern, built block by block (no full-size temporaries)."""
-    words = np.empty((nbytes + 7) // 8, dtype=np.uint64)
-    step = _BLOCK // 8
-    for start in range(0, len(words), step):
-        block = words[start : start + step]
-        block[:] = np.arange(start, start + len(block), dtype=np.uint64)
-        block *= _GOLDEN
-        block ^= block >> np.uint64(29)
-    return words.view(np.uint8)[:nbytes]
 
 
 def window(source: U8, rep: int, nbytes: int) -> U8:

@@ -40,6 +40,13 @@ DEFAULT_IDLE_CLOSE_S = 300.0
 Handle = KVHandle | Mapping[str, Any] | str
 
 
+def _what(handle: KVHandle, chunk_ids: Iterable[int] | None = None) -> dict[str, Any]:
+    """The load arguments a handle fixes: its chunks (or `chunk_ids`) and its epoch."""
+    if chunk_ids is not None:
+        return {"chunk_ids": chunk_ids, "expected_epoch": handle.producer_epoch}
+    return {"num_chunks": handle.num_chunks or None, "expected_epoch": handle.producer_epoch}
+
+
 @dataclass(slots=True)
 class _Entry(Generic[C]):
     client: C
@@ -168,10 +175,8 @@ class ConsumerPool(_Pool[KVConsumer]):
         try:
             return client.load(
                 h.kv_request_id,
-                num_chunks=None if chunk_ids is not None else (h.num_chunks or None),
-                chunk_ids=chunk_ids,
+                **_what(h, chunk_ids),
                 into=into,
-                expected_epoch=h.producer_epoch,
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
@@ -196,11 +201,10 @@ class ConsumerPool(_Pool[KVConsumer]):
         try:
             return client.load_or_recompute(
                 h.kv_request_id,
+                **_what(h),
                 recompute=recompute,
                 policy=policy,
-                num_chunks=h.num_chunks or None,
                 into=into,
-                expected_epoch=h.producer_epoch,
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
@@ -273,10 +277,8 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
         try:
             return await client.load(
                 h.kv_request_id,
-                num_chunks=None if chunk_ids is not None else (h.num_chunks or None),
-                chunk_ids=chunk_ids,
+                **_what(h, chunk_ids),
                 into=into,
-                expected_epoch=h.producer_epoch,
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
@@ -301,11 +303,10 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
         try:
             return await client.load_or_recompute(
                 h.kv_request_id,
+                **_what(h),
                 recompute=recompute,
                 policy=policy,
-                num_chunks=h.num_chunks or None,
                 into=into,
-                expected_epoch=h.producer_epoch,
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
