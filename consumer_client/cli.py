@@ -1,14 +1,28 @@
-"""`kvpark`: operator commands against one producer, a thin layer over `KVConsumer`.
+"""`kvpark`: operator commands against producers, a thin layer over the client library.
 
-    kvpark info
-    kvpark lookup ID [ID ...]
+    kvpark info [--target HOST:PORT ...] [--targets-file FILE]
+    kvpark lookup ID [ID ...] [--target HOST:PORT ...] [--targets-file FILE]
+    kvpark top [--interval SECONDS] [--count N]
     kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] --out FILE|-   (consumes the id!)
     kvpark release ID
     kvpark bench [--target HOST:PORT] [--quick] [--size SIZE] [--chunk SIZE,...] [--json-file F]
 
 Connection options (`--target HOST:PORT`, env KVPARK_TARGET; `--token-file`, env KVPARK_TOKEN;
 `--tls`, `--tls-ca`, `--tls-cert`, `--tls-key`; `--rpc-timeout`) and `--json` go before or
-after the command.
+after the command; the token and TLS options apply to every target.
+
+`kvpark info` and `kvpark lookup` take several producers: `--target` repeated and/or
+`--targets-file` (one host:port per line, `#` comments, blank lines skipped). Then they ask all
+of them at once, each call under `--rpc-timeout`, and print one table: a row per producer
+(info) or per producer and id (lookup), with a STATUS column that is `ok` or the gRPC status of
+a producer that did not answer (UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...), whose
+error is also printed on stderr. With one `--target` (or none) they print the single-producer
+form: `key: value` lines (info) or tab-separated rows (lookup). `--json` prints a list of
+objects in the table form and one object (info) or list (lookup) in the single form.
+
+`kvpark top` watches one producer (cli_top.py): pool use, ids by state, and rates per second
+of parks, fetches, reaps, late rejections and bytes between refreshes; on a terminal `q` quits
+and any other key refreshes at once.
 
 Subcommands live in one `CommandRegistry`. A command is a name, a help line, a function that
 adds its arguments and a function that runs it and returns an exit code; `COMMANDS.add()` is
@@ -16,9 +30,14 @@ the only place they are registered, and `build_parser` is the only place argpars
 about them. `kvpark bench` (kvpark.client.bench) is registered here like the others.
 
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
-release it refused); 2 usage (bad arguments, unreadable token file); 3 the call did not get
-through (unreachable, deadline, auth, not a kvpark producer). `kvpark bench` has its own:
-0 every byte verified, 1 a wrong byte or outcome or a section that could not run, 2 usage.
+release it refused), or, asking several producers, at least one of them did not answer (the
+others' rows are printed all the same); 2 usage (bad arguments, unreadable token file, a bad
+line in the targets file, several --target for a command that takes one); 3 the call did not
+get through (unreachable, deadline, auth, not a kvpark producer). `kvpark top`: 0 when ended by
+`q`, Ctrl-C or `--count`, except 3 when the last refresh of a `--count` run did not reach the
+producer (while it runs, a producer that does not answer is shown and asked again). `kvpark
+bench` has its own: 0 every byte verified, 1 a wrong byte or outcome or a section that could
+not run, 2 usage.
 """
 
 from __future__ import annotations
@@ -32,24 +51,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
-
 from kvpark.alloc import tune_allocator
 
+from . import cli_fleet, cli_top
 from ._errors import KVParkError, RPCError, UsageError
 from ._models import IdStatus
 from ._sync import KVConsumer
 from ._timeouts import Timeout
 from .bench import command as bench
+from .cli_connect import (
+    DEFAULT_TARGET,
+    TARGET_ENV,
+    TOKEN_ENV,
+    Connection,
+    TargetOption,
+    given_targets,
+    positive_seconds,
+    targets_of,
+)
+from .cli_snapshot import Snapshot
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_RPC = 3
-
-TARGET_ENV = "KVPARK_TARGET"
-TOKEN_ENV = "KVPARK_TOKEN"
-DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,8 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # Takes several --target (and --targets-file); the others refuse more than one.
+    many_targets: bool = False
 
 
 class CommandRegistry:
@@ -95,9 +122,11 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         parser.set_defaults(target_given=False)
     conn.add_argument(
         "--target",
-        action=_GivenTarget,
+        action=TargetOption,
+        list_dest="targets_before" if top else "targets_after",
         default=default(os.environ.get(TARGET_ENV, DEFAULT_TARGET)),
-        help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
+        help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET}); "
+        "info and lookup take several",
     )
     conn.add_argument(
         "--token-file",
@@ -120,7 +149,7 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         conn.add_argument(flag, type=Path, default=default(None), metavar="FILE", help=text)
     conn.add_argument(
         "--rpc-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=default(10.0),
         metavar="SECONDS",
         help="deadline of each unary call (default 10)",
@@ -130,56 +159,23 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-class _GivenTarget(argparse.Action):
-    """Stores --target and notes that it was given: `kvpark bench` measures its own producer
-    unless an operator names one."""
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-        option_string: str | None = None,
-    ) -> None:  # fmt: skip
-        setattr(namespace, self.dest, values)
-        namespace.target_given = True
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (0 < value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
-
-
-def _read(path: Path | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-
-
 def client_from_args(args: argparse.Namespace, **client_args: Any) -> KVConsumer:
     """A `KVConsumer` for the common connection options."""
-    token = os.environ.get(TOKEN_ENV) or None
-    token_bytes = _read(args.token_file)
-    if token_bytes is not None:
-        try:
-            token = token_bytes.decode("utf-8").strip() or None
-        except UnicodeDecodeError:
-            raise UsageError(f"{args.token_file}: the token is not UTF-8 text") from None
-    credentials = None
-    if args.tls or args.tls_ca or args.tls_cert:
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise UsageError("--tls-cert and --tls-key go together")
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(args.tls_ca),
-            private_key=_read(args.tls_key),
-            certificate_chain=_read(args.tls_cert),
-        )
-    return KVConsumer(args.target, token=token, credentials=credentials, **client_args)
+    return Connection.from_args(args).consumer(args.target, **client_args)
+
+
+def _add_targets_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--targets-file",
+        type=Path,
+        metavar="FILE",
+        help="ask the producers listed in FILE too (host:port per line, # comments)",
+    )
+
+
+def _asks_several(args: argparse.Namespace, targets: Sequence[str]) -> bool:
+    """The table form: several producers, or a list of them (even of one)."""
+    return len(targets) > 1 or args.targets_file is not None
 
 
 # ------------------------------------------------------------------------------ output
@@ -206,27 +202,52 @@ COMMANDS = CommandRegistry()
 
 
 def _info_args(parser: argparse.ArgumentParser) -> None:
-    pass
+    _add_targets_file(parser)
 
 
 def _info(args: argparse.Namespace) -> int:
-    with client_from_args(args) as client:
-        info = client.server_info(timeout=args.rpc_timeout)
-    fields = asdict(info)
-    text = "\n".join(f"{key}: {value}" for key, value in fields.items())
-    _emit(args, {"target": args.target, **fields}, text)
+    targets = targets_of(args)
+    connection = Connection.from_args(args)
+    if _asks_several(args, targets):
+        failed = cli_fleet.fleet_info(args, connection, targets)
+        return EXIT_FAILED if failed else EXIT_OK
+    with connection.reader(args.target) as reader:
+        snapshot = reader.read(args.rpc_timeout)
+    fields = cli_fleet.snapshot_fields(snapshot)
+    _emit(args, {"target": args.target, **fields}, _info_text(snapshot))
     return EXIT_OK
+
+
+def _info_text(snapshot: Snapshot) -> str:
+    lines = [f"{key}: {value}" for key, value in asdict(snapshot.info).items()]
+    lines.append(f"pool_used_bytes: {snapshot.pool_used_bytes}")
+    lines.append(f"transports: {','.join(snapshot.transports)}")
+    if snapshot.stats is None:
+        lines.append("stats: not reported by this producer")
+    else:
+        lines += [f"{key}: {value}" for key, value in asdict(snapshot.stats).items()]
+    return "\n".join(lines)
 
 
 def _lookup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ids", nargs="+", metavar="ID", help="kv_request_id to look up")
+    _add_targets_file(parser)
 
 
 def _lookup(args: argparse.Namespace) -> int:
-    with client_from_args(args) as client:
+    targets = targets_of(args)
+    connection = Connection.from_args(args)
+    if _asks_several(args, targets):
+        failed = cli_fleet.fleet_lookup(args, connection, targets, args.ids)
+        return EXIT_FAILED if failed else EXIT_OK
+    with connection.consumer(args.target) as client:
         states = client.lookup(args.ids, timeout=args.rpc_timeout)
     _emit(args, [asdict(s) for s in states], "\n".join(_status_row(s) for s in states))
     return EXIT_OK
+
+
+def _top(args: argparse.Namespace) -> int:
+    return EXIT_OK if cli_top.watch(args) else EXIT_RPC
 
 
 def _fetch_args(parser: argparse.ArgumentParser) -> None:
@@ -242,15 +263,15 @@ def _fetch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expected-epoch", type=int, default=0, metavar="EPOCH")
     parser.add_argument(
         "--timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=30.0,
         metavar="SECONDS",
         help="total load timeout (default %(default)s)",
     )
-    parser.add_argument("--first-chunk-timeout", type=_positive_seconds, metavar="SECONDS")
+    parser.add_argument("--first-chunk-timeout", type=positive_seconds, metavar="SECONDS")
     parser.add_argument(
         "--wait",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
         help="how long the producer waits for chunks not parked yet (FetchRequest.wait_timeout_s)",
     )
@@ -324,8 +345,24 @@ def _release(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
-COMMANDS.add(Command("info", "show the producer's epoch, limits and timeouts", _info_args, _info))
-COMMANDS.add(Command("lookup", "show the state of ids", _lookup_args, _lookup))
+COMMANDS.add(
+    Command(
+        "info",
+        "show producers' epoch, pool, ids by state, limits and timeouts",
+        _info_args,
+        _info,
+        many_targets=True,
+    )
+)
+COMMANDS.add(
+    Command(
+        "lookup",
+        "show the state of ids on producers",
+        _lookup_args,
+        _lookup,
+        many_targets=True,
+    )
+)
 COMMANDS.add(
     Command(
         "fetch",
@@ -336,6 +373,7 @@ COMMANDS.add(
 )
 COMMANDS.add(Command("release", "give an id up (needs the park token)", _release_args, _release))
 COMMANDS.add(Command("bench", bench.HELP, bench.configure, bench.run))
+COMMANDS.add(Command("top", cli_top.HELP, cli_top.configure, _top))
 
 
 # -------------------------------------------------------------------------------- main
@@ -349,13 +387,20 @@ def build_parser(commands: CommandRegistry = COMMANDS) -> argparse.ArgumentParse
         child = sub.add_parser(command.name, help=command.help, description=command.help)
         _add_common(child, top=False)
         command.configure(child)
-        child.set_defaults(run=command.run)
+        child.set_defaults(run=command.run, many_targets=command.many_targets)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = given_targets(args)
+    if len(given) > 1 and not args.many_targets:
+        print(
+            f"kvpark {args.command}: takes one --target, got {len(given)}: {', '.join(given)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     tune_allocator()
     try:
         code: int = args.run(args)

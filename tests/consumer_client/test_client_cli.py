@@ -30,11 +30,15 @@ async def test_info_lookup_fetch_release(
         t = ("--target", server.target)
 
         assert await run_cli(*t, "info") == cli.EXIT_OK
-        assert f"producer_epoch: {server.epoch}" in capsys.readouterr().out
+        text = capsys.readouterr().out.splitlines()
+        assert f"producer_epoch: {server.epoch}" in text
+        assert "parked_ids: 2" in text and "transports: grpc" in text
 
         assert await run_cli("info", *t, "--json") == cli.EXIT_OK  # options after the command
         info = json.loads(capsys.readouterr().out)
         assert info["producer_epoch"] == server.epoch and info["target"] == server.target
+        assert info["stats"]["parked_ids"] == 2 and info["stats"]["parks_total"] == 2
+        assert info["pool_used_bytes"] == info["pool_bytes"] - info["pool_free_bytes"] > 0
 
         assert await run_cli(*t, "lookup", "cli-1", "nope") == cli.EXIT_OK
         lines = capsys.readouterr().out.splitlines()
@@ -102,7 +106,7 @@ def test_installed_command_against_a_producer_process(
 
 def test_commands_are_registered_in_one_registry() -> None:
     names = cli.COMMANDS.names()
-    assert names[:5] == ["info", "lookup", "fetch", "release", "bench"]
+    assert names[:6] == ["info", "lookup", "fetch", "release", "bench", "top"]
     for name in names:  # the module docstring shows every command
         assert f"kvpark {name}" in (cli.__doc__ or "")
 

@@ -1,0 +1,118 @@
+"""What one producer holds and has done, read by the operator views (`kvpark info`, `kvpark top`).
+
+`KVConsumer.server_info()` answers with `ProducerInfo` (epoch, limits, timeouts) and keeps what
+it read for its loads; the operator views also need the counters of `ServerInfo.stats` and a
+fresh answer on every poll, so they read `GetServerInfo` themselves, over one channel per
+producer and with no background calls of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+
+from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
+from ._errors import error_from_rpc
+from ._models import ProducerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """The contract's ProducerStats: ids by state now, and totals since the process started."""
+
+    parked_ids: int
+    bound_ids: int
+    delivered_ids: int
+    tombstones: int
+    open_park_batches: int
+    parks_total: int
+    fetches_total: int
+    reaped_total: int
+    late_fetch_rejections_total: int
+    late_park_rejections_total: int
+    consumed_total: int
+    evicted_total: int
+    parked_bytes_total: int
+    sent_bytes_total: int
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> ProducerStats:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    info: ProducerInfo
+    # None: the producer predates ServerInfo.stats (it reports no counters).
+    stats: ProducerStats | None
+    # time.monotonic() when the answer arrived: rates divide by the gap between two of these.
+    taken_at: float
+
+    @property
+    def pool_used_bytes(self) -> int:
+        return self.info.pool_bytes - self.info.pool_free_bytes
+
+    @property
+    def transports(self) -> list[str]:
+        """The transports a Fetch may use: grpc always, tcp (with TLS or not) and shm when the
+        producer offers them."""
+        offered = ["grpc"]
+        if self.info.data_address:
+            offered.append("tcp+tls" if self.info.data_tls else "tcp")
+        if self.info.shm_socket:
+            offered.append("shm")
+        return offered
+
+
+class SnapshotReader:
+    """Reads `Snapshot`s of one producer over a channel of its own, until closed."""
+
+    def __init__(self, settings: ChannelSettings) -> None:
+        self.target = settings.target
+        self._metadata = settings.metadata
+        self._channel = settings.open_sync()
+        self._stub = pb_grpc.KVProducerStub(self._channel)
+
+    @classmethod
+    def open(
+        cls, target: str, *, token: str | None, credentials: grpc.ChannelCredentials | None
+    ) -> SnapshotReader:
+        settings = ChannelSettings.build(
+            target,
+            token=token,
+            credentials=credentials,
+            channel_options=(),
+            interceptors=(),
+            max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
+        )
+        return cls(settings)
+
+    def read(self, timeout_s: float) -> Snapshot:
+        """One GetServerInfo under `timeout_s`; a failed call raises the client's RPCError."""
+        try:
+            msg = self._stub.GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "GetServerInfo") from None
+        stats = ProducerStats.from_proto(msg.stats) if msg.HasField("stats") else None
+        return Snapshot(ProducerInfo.from_proto(msg), stats, time.monotonic())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SnapshotReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
