@@ -58,7 +58,7 @@ from ._errors import (
     UsageError,
     classify_status,
 )
-from ._models import IdStatus, ProducerInfo, ReleaseResult, State
+from ._models import IdStatus, ProducerInfo, ProducerStats, ReleaseResult, State
 from ._park import ParkResult
 from ._result import LoadPath, LoadReport, LoadResult, Reason
 from ._sync import KVConsumer
@@ -95,6 +95,7 @@ __all__ = [
     "ParkBatch",
     "ParkResult",
     "ProducerInfo",
+    "ProducerStats",
     "ProtocolError",
     "RPCError",
     "Reason",

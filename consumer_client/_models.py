@@ -8,7 +8,7 @@ of the contract (names as in the .proto, units in the field names).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvpark.pb import kvpark_pb2 as pb
@@ -75,6 +75,30 @@ class IdStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """The contract's ProducerStats: ids by state now, and totals since the process started."""
+
+    parked_ids: int
+    bound_ids: int
+    delivered_ids: int
+    tombstones: int
+    open_park_batches: int
+    parks_total: int
+    fetches_total: int
+    reaped_total: int
+    late_fetch_rejections_total: int
+    late_park_rejections_total: int
+    consumed_total: int
+    evicted_total: int
+    parked_bytes_total: int
+    sent_bytes_total: int
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> ProducerStats:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
 class ProducerInfo:
     """A producer process's epoch, limits and timeouts (the contract's ServerInfo)."""
 
@@ -98,6 +122,8 @@ class ProducerInfo:
     data_address: str
     data_tls: bool
     shm_socket: str
+    # Its counts as of the answer; None from a producer that reports none.
+    stats: ProducerStats | None = None
 
     @classmethod
     def from_proto(cls, msg: Any) -> ProducerInfo:
@@ -120,6 +146,7 @@ class ProducerInfo:
             data_address=msg.data_address,
             data_tls=msg.data_tls,
             shm_socket=msg.shm_socket,
+            stats=ProducerStats.from_proto(msg.stats) if msg.HasField("stats") else None,
         )
 
 

@@ -1,17 +1,16 @@
 """What one producer holds and has done, read by the operator views (`kvpark info`, `kvpark top`).
 
-`KVConsumer.server_info()` answers with `ProducerInfo` (epoch, limits, timeouts) and keeps what
-it read for its loads; the operator views also need the counters of `ServerInfo.stats` and a
-fresh answer on every poll, so they read `GetServerInfo` themselves, over one channel per
-producer and with no background calls of their own.
+`KVConsumer.server_info()` answers with `ProducerInfo` (epoch, limits, timeouts, counters) and
+keeps what it read for its loads; the operator views need a fresh answer on every poll and none
+of a consumer's background calls, so they read `GetServerInfo` themselves, over one channel per
+producer.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import grpc
 
@@ -20,40 +19,18 @@ from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._errors import error_from_rpc
-from ._models import ProducerInfo
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerStats:
-    """The contract's ProducerStats: ids by state now, and totals since the process started."""
-
-    parked_ids: int
-    bound_ids: int
-    delivered_ids: int
-    tombstones: int
-    open_park_batches: int
-    parks_total: int
-    fetches_total: int
-    reaped_total: int
-    late_fetch_rejections_total: int
-    late_park_rejections_total: int
-    consumed_total: int
-    evicted_total: int
-    parked_bytes_total: int
-    sent_bytes_total: int
-
-    @classmethod
-    def from_proto(cls, msg: Any) -> ProducerStats:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+from ._models import ProducerInfo, ProducerStats
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     info: ProducerInfo
-    # None: the producer predates ServerInfo.stats (it reports no counters).
-    stats: ProducerStats | None
     # time.monotonic() when the answer arrived: rates divide by the gap between two of these.
     taken_at: float
+
+    @property
+    def stats(self) -> ProducerStats | None:
+        return self.info.stats
 
     @property
     def pool_used_bytes(self) -> int:
@@ -102,8 +79,7 @@ class SnapshotReader:
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, "GetServerInfo") from None
-        stats = ProducerStats.from_proto(msg.stats) if msg.HasField("stats") else None
-        return Snapshot(ProducerInfo.from_proto(msg), stats, time.monotonic())
+        return Snapshot(ProducerInfo.from_proto(msg), time.monotonic())
 
     def close(self) -> None:
         self._channel.close()

@@ -29,9 +29,10 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from ._errors import RPCError
+from ._models import ProducerStats
 from .cli_connect import Connection, positive_seconds
 from .cli_format import human_bytes, percent
-from .cli_snapshot import ProducerStats, Snapshot
+from .cli_snapshot import Snapshot
 
 HELP = "a live view of one producer: pool use, ids by state, rates per second"
 

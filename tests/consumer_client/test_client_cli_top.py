@@ -221,15 +221,16 @@ def test_top_keeps_asking_a_producer_that_does_not_answer() -> None:
 
 
 def _snapshot(epoch: int, parks: int, at: float) -> Snapshot:
+    counters = dict.fromkeys(ProducerStats.__dataclass_fields__, 0)
     info = ProducerInfo(
         producer_epoch=epoch, version="v", pool_bytes=100, pool_free_bytes=75,
         max_chunk_bytes=10, unbound_store_timeout_s=1, tombstone_retention_s=2,
         consumer_load_timeout_s=1, max_lease_s=1, max_fetch_wait_s=1, park_idle_timeout_s=1,
         delivery_grace_s=1, fetch_stall_timeout_s=1, max_batch_bytes=50, advertise_address="",
         data_address="", data_tls=False, shm_socket="",
+        stats=ProducerStats(**{**counters, "parks_total": parks}),
     )  # fmt: skip
-    counters = dict.fromkeys(ProducerStats.__dataclass_fields__, 0)
-    return Snapshot(info, ProducerStats(**{**counters, "parks_total": parks}), at)
+    return Snapshot(info, at)
 
 
 def test_rates_are_only_taken_between_answers_of_one_process() -> None:
