@@ -29,9 +29,14 @@ RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --no-build-isolation -w /t
  && mkdir -p /src/examples /src/protos
 
 FROM ${BASE_IMAGE}
+# /run/kvpark: where the producer's shared-memory socket goes (shm_socket). Made here, owned
+# by the kvpark user, because an empty named volume mounted over it (compose's `kvpark-shm`)
+# takes the owner and mode of the image's folder: otherwise the volume is root's and the
+# non-root producer cannot create its socket there. 0750: only the kvpark user and group pass.
 RUN groupadd --gid 10001 kvpark \
  && useradd --uid 10001 --gid kvpark --no-log-init --home-dir /home/kvpark --create-home \
-        --shell /usr/sbin/nologin kvpark
+        --shell /usr/sbin/nologin kvpark \
+ && install -d -o kvpark -g kvpark -m 0750 /run/kvpark
 COPY --from=build /opt/kvpark /opt/kvpark
 # Not installed as packages, shipped for reference: example clients and the proto contract
 # (decode workers in other languages generate their stubs from it).
@@ -52,8 +57,9 @@ LABEL org.opencontainers.image.title="kvpark" \
       org.opencontainers.image.licenses="Apache-2.0"
 USER kvpark
 WORKDIR /home/kvpark
-# 50051: gRPC (KVProducer, grpc.health.v1, reflection); 9400: Prometheus /metrics
-EXPOSE 50051 9400
+# 50051: gRPC (KVProducer, grpc.health.v1, reflection); 50052: the zero-copy TCP data port
+# when data_listen is set (compose and Kubernetes use this one); 9400: Prometheus /metrics
+EXPOSE 50051 50052 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-m", "kvpark.producer.healthcheck", "--timeout", "3"]
 CMD ["kvpark-producer", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400"]

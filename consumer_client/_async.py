@@ -371,7 +371,12 @@ class AsyncKVConsumer(ClientBase):
         """Reads the data connection on a worker thread while the loop runs on; a cancel of
         the caller closes the connection, which ends the thread."""
         assert session.offer is not None
-        receiver = TcpReceiver(session.offer, self.target, self._core.data_tls)
+        receiver = TcpReceiver(
+            session.offer,
+            self.target,
+            self._core.data_tls,
+            self._core.channel.tls_server_name,
+        )
         reading = asyncio.ensure_future(asyncio.to_thread(receiver.run, session))
         try:
             return await asyncio.shield(reading)

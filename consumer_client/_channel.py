@@ -94,6 +94,16 @@ class ChannelSettings:
             max_chunk_bytes=max_chunk_bytes,
         )
 
+    @property
+    def tls_server_name(self) -> str | None:
+        """The name the channel checks the producer's certificate against instead of the
+        target's host (`grpc.ssl_target_name_override`, e.g. one certificate shared by
+        producers dialled by pod IP); the TCP data connection checks the same name."""
+        for key, value in self.options:
+            if key == "grpc.ssl_target_name_override" and value:
+                return str(value)
+        return None
+
     def open_sync(self) -> grpc.Channel:
         options = list(self.options)
         if self.credentials is not None:

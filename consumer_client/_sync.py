@@ -335,7 +335,12 @@ class KVConsumer(ClientBase):
                 step = session.feed(raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
                     assert session.offer is not None
-                    receiver = TcpReceiver(session.offer, self.target, self._core.data_tls)
+                    receiver = TcpReceiver(
+                        session.offer,
+                        self.target,
+                        self._core.data_tls,
+                        self._core.channel.tls_server_name,
+                    )
                     step = receiver.run(session)
                 if step is not Step.CONTINUE:
                     break

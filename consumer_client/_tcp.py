@@ -49,10 +49,20 @@ def host_of(target: str) -> str | None:
 class TcpReceiver:
     """One data connection. `abort()` (from another thread) ends a `run` in progress."""
 
-    def __init__(self, offer: pb.DataOffer, target: str, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self,
+        offer: pb.DataOffer,
+        target: str,
+        tls: ssl.SSLContext | None,
+        server_name: str | None = None,
+    ) -> None:
         self._offer = offer
         self._target = target
         self._tls = tls
+        # The name to verify the producer's certificate against: the channel's override when
+        # it has one (the data address is then a pod IP the certificate does not name), else
+        # the data address's host.
+        self._server_name = server_name
         self._sock: socket.socket | None = None
         self._aborted = False
 
@@ -81,7 +91,9 @@ class TcpReceiver:
             sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if offer.tls and self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_hostname=address.host)
+                sock = self._tls.wrap_socket(
+                    sock, server_hostname=self._server_name or address.host
+                )
             self._sock = sock
             sock.sendall(offer.ticket)
             answer = bytearray(1)

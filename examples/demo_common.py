@@ -12,14 +12,22 @@ the producer's, and the producer rejects any it does not know):
     DEMO_TARGET          producer address (default producer:50051)
     DEMO_PARK_TOKEN      bearer token of the prefill side (Park)
     DEMO_FETCH_TOKEN     bearer token of the decode side (Fetch, KeepAlive, Lookup)
-    DEMO_TLS_CA          PEM CA to verify the producer with: turns TLS on
+    DEMO_TLS_CA          PEM CA to verify the producer with: turns TLS on (the gRPC channel
+                         and, with the same files, the decode side's TCP data connection)
     DEMO_TLS_CERT/_KEY   PEM client certificate and key (mTLS)
     DEMO_GENERATE        tokens each request decodes greedily (default 16)
+    DEMO_TRANSPORT       the clients' `transport=`: auto (default), grpc, tcp or shm
+    DEMO_SHM_SOCKET      the producer's shm socket as this container sees it (default: the
+                         path the producer advertises in ServerInfo)
+    DEMO_EXPECT_TRANSPORT  when set, the transport every park (prefill worker) or every load
+                         that moved bytes (decode worker) must have taken; another one makes
+                         the worker exit 1 (the compose demo: parks over shm, loads over tcp)
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +35,8 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 from reference_model import ReferenceModel
+
+from kvpark import ProducerInfo
 
 # The requests the demo walks through, in the order the table prints them, and the length of
 # each one's prompt (64-token chunks: most end in a partial chunk).
@@ -45,6 +55,9 @@ class Settings:
     tls_cert: str | None
     tls_key: str | None
     generate: int
+    transport: str = "auto"
+    shm_socket: str | None = None
+    expect_transport: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -61,6 +74,9 @@ class Settings:
             tls_cert=opt("DEMO_TLS_CERT"),
             tls_key=opt("DEMO_TLS_KEY"),
             generate=int(env.get("DEMO_GENERATE", "16")),
+            transport=env.get("DEMO_TRANSPORT") or "auto",
+            shm_socket=opt("DEMO_SHM_SOCKET"),
+            expect_transport=opt("DEMO_EXPECT_TRANSPORT"),
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:
@@ -76,6 +92,18 @@ class Settings:
             private_key=read(self.tls_key),
             certificate_chain=read(self.tls_cert),
         )
+
+    def data_tls(self) -> ssl.SSLContext | None:
+        """The TCP data connection's TLS, from the same files as the channel's: the producer
+        serves its data port with its gRPC certificate and, with mTLS, requires the client
+        certificate there too. Without it a TLS producer's data port is not used (gRPC
+        credentials cannot be reused for a plain socket) and loads go over the gRPC stream."""
+        if not self.tls_ca:
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
 
 def demo_model() -> ReferenceModel:
@@ -97,3 +125,11 @@ def partial_prefix(num_chunks: int) -> int:
 def request_ids(epoch: int) -> dict[str, str]:
     """The demo's kv_request_ids for a producer epoch: {"on-time": "demo-<epoch>-on-time", ...}."""
     return {name: f"demo-{epoch:016x}-{name}" for name in NAMES}
+
+
+def offered_transports(info: ProducerInfo) -> str:
+    """The transports a producer offers, best first, as its ServerInfo tells them."""
+    offered = [f"shm {info.shm_socket}"] if info.shm_socket else []
+    if info.data_address:
+        offered.append(f"tcp {info.data_address}{' (TLS)' if info.data_tls else ''}")
+    return ", ".join([*offered, "grpc"])

@@ -19,11 +19,17 @@ parks four requests, and each takes a different path:
 - ``queued``: waits in the decode queue longer than the lease, but the worker keeps its lease
   alive with KeepAlive from the moment it learns of the request -> still remote.
 
+Loads take the best transport the producer offers that this worker can use (`transport=
+"auto"`): its lent shared memory on the producer's host, else the producer's zero-copy TCP
+data port (in the compose demo: another container, so tcp), else the gRPC stream. The table's
+`via` column says which one carried each request's bytes ("-" when none came).
+
 Every wait is for a condition the producer reports (Lookup), never a fixed sleep. Once all four
 are decoded, the worker runs a local full prefill and the same greedy decoding of every prompt
 and compares: the KV in each request's cache (loaded, recomputed and decoded) must be bitwise
 the local one, and the generated tokens identical. Exit status 0 when every request took its
-expected path and matched, 1 otherwise.
+expected path and matched (and, with DEMO_EXPECT_TRANSPORT, every load that moved bytes took
+that transport), 1 otherwise.
 
 Settings: demo_common.py, plus
     DEMO_LOAD_TIMEOUT_S   the client's load timeout (default 10)
@@ -45,7 +51,15 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from demo_common import NAMES, Settings, demo_model, partial_prefix, prompt, request_ids
+from demo_common import (
+    NAMES,
+    Settings,
+    demo_model,
+    offered_transports,
+    partial_prefix,
+    prompt,
+    request_ids,
+)
 from reference_model import ReferenceModel
 
 from kvpark import (
@@ -177,9 +191,15 @@ def chunk_range(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+def via(handoff: Handoff) -> str:
+    """The transport that carried the request's bytes; "-" when none came."""
+    result = handoff.report.result
+    return result.transport if result.chunks_loaded else "-"
+
+
 def table(handoffs: list[Handoff]) -> str:
     lines = [
-        f"{'request':<9} {'path':<10} {'reason':<13} {'loaded':>6} {'bytes':>10} "
+        f"{'request':<9} {'path':<10} {'reason':<13} {'loaded':>6} {'via':<4} {'bytes':>10} "
         f"{'load':>9}  {'computed':<8}  tokens = local prefill"
     ]
     for h in handoffs:
@@ -189,7 +209,7 @@ def table(handoffs: list[Handoff]) -> str:
         more = " ..." if len(h.generated) > SHOWN_TOKENS else ""
         lines.append(
             f"{h.name:<9} {h.report.path:<10} {r.reason or '-':<13} "
-            f"{f'{r.chunks_loaded}/{h.total_chunks}':>6} {human_bytes(r.bytes):>10} "
+            f"{f'{r.chunks_loaded}/{h.total_chunks}':>6} {via(h):<4} {human_bytes(r.bytes):>10} "
             f"{r.elapsed_s * 1000:>6.1f} ms  {computed:<8}  "
             f"{'yes' if h.tokens_match else 'NO':<3}  {shown}{more}"
         )
@@ -212,6 +232,9 @@ def main() -> int:
         timeout=load_timeout,
         token=settings.fetch_token,
         credentials=settings.credentials(),
+        transport=settings.transport,  # the client refuses an unknown one
+        data_tls=settings.data_tls(),
+        shm_socket=settings.shm_socket,
     ) as client:
         info = connect(client)
         epoch, lease = info.producer_epoch, info.unbound_store_timeout_s
@@ -219,6 +242,10 @@ def main() -> int:
         say(
             f"producer {settings.target} epoch {epoch:016x}, lease (unbound_store_timeout_s) "
             f"{lease:g}s, load timeout {load_timeout.total_s:g}s, chunk wait {chunk_wait_s:g}s"
+        )
+        say(
+            f"producer offers {offered_transports(info)}; "
+            f"this worker: transport={settings.transport}"
         )
         say(
             f"model: {cfg.num_layers} layers, {model.num_parameters / 1e6:.2f} M parameters, "
@@ -325,6 +352,11 @@ def main() -> int:
             problems.append(f"{name}: tokens differ from a local prefill's")
         if not h.kv_match:
             problems.append(f"{name}: KV differs from a local prefill's")
+        if settings.expect_transport and via(h) not in ("-", settings.expect_transport):
+            problems.append(
+                f"{name}: loaded via {via(h)}, not {settings.expect_transport} "
+                "(DEMO_EXPECT_TRANSPORT)"
+            )
     if late.report.result.elapsed_s >= LATE_ANSWER_LIMIT_S:
         problems.append(f"late: answered in {late.report.result.elapsed_s:.3f}s, not at once")
     if problems:

@@ -2,12 +2,20 @@
 
 For each request it prefills the prompt with examples/reference_model.py into a block-major
 float16 cache and parks the KV with `KVParker`, chunk c being token positions [64c, 64c + 64)
-of every layer, K and V (`kvpark.layout`, docs/kv-layout.md). The chunks go out as views into
-the cache (`layout.chunk_parts`: a gather list), never copied into a staging buffer first.
+of every layer, K and V (`kvpark.layout`, docs/kv-layout.md).
 
-- ``on-time``: streamed while the prefill runs. `parker.batch` sends chunk c as soon as the
-  model finished it (the model's `on_chunk` hook), while chunk c + 1 is computed; the batch is
-  committed when the prefill is done, and only the commit makes it visible.
+The cache lives in shared memory (`SharedKV`): a buffer from `parker.shared_buffer`, which the
+parker lends the producer over its shm socket the first time a park uses it. A park then names
+each chunk by its offset in that buffer and the producer copies it from there into its pool:
+the KV never travels as gRPC payload. That needs the producer's socket (in the compose demo a
+volume the two containers share, in Kubernetes an emptyDir of the pod); where it cannot be
+reached, the same chunks go inline over the gRPC stream, and each park's `transport` says which
+way it went.
+
+- ``on-time``: streamed while the prefill runs. Chunk c is parked as soon as the model
+  finished it (the model's `on_chunk` hook), by a worker thread, while chunk c + 1 is computed.
+  Each chunk is a batch of its own that declares the prompt's chunk count, visible once its
+  commit arrives; the decode worker waits until all of them are.
 - ``partial``: the first half of the chunks is committed in one batch that declares the
   prompt's chunk count; the batch with the second half is then cut off, as if the prefill
   worker had been preempted. The producer undoes a batch that ends without its commit, so only
@@ -17,8 +25,10 @@ the cache (`layout.chunk_parts`: a gather list), never copied into a staging buf
 
 A prefill worker is a long-running service, so after parking this one waits until it is
 stopped (SIGTERM/SIGINT) and exits 0. `DEMO_EXIT_AFTER_PARK=true` makes it exit right away
-instead (one-shot runs in tests). Settings: see demo_common.py. examples/park_with_stubs.py
-parks with nothing but the generated stubs, as a client in another language would.
+instead (one-shot runs in tests). With `DEMO_EXPECT_TRANSPORT` set, a park that took another
+transport makes it exit 1 at once (in the compose demo that stops the stack, and `up` fails).
+Settings: see demo_common.py. examples/park_with_stubs.py parks with nothing but the generated
+stubs, as a client in another language would.
 """
 
 from __future__ import annotations
@@ -28,13 +38,23 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
-from demo_common import Settings, demo_model, partial_prefix, prompt, request_ids
+from demo_common import (
+    Settings,
+    demo_model,
+    offered_transports,
+    partial_prefix,
+    prompt,
+    request_ids,
+)
 from reference_model import ReferenceModel
 
 from kvpark import KVParker, ParkResult, ProducerInfo, Timeout, TransportError
+from kvpark.layout import KVLayout
 
 CONNECT_TIMEOUT_S = 30.0
 PARK_TIMEOUT_S = 30.0
@@ -60,65 +80,109 @@ def connect(parker: KVParker) -> ProducerInfo:
             time.sleep(0.2)
 
 
+class SharedKV:
+    """One request's block-major KV cache in a shared buffer, cut so that every chunk is one
+    contiguous range of that buffer: what a park by reference needs.
+
+    Chunk c of a block-major cache is block c, one range, when it is full. A partial last
+    chunk is 2·L runs of its block (the head of each layer's K and V rows), so `chunk` packs
+    it once, in the canonical order, into a chunk-sized area behind the cache in the same
+    buffer; it then parks by reference like the others. (A chunk given as several buffers
+    would make the parker copy the whole park into a staging buffer first.)
+
+    The demo makes one buffer per request and keeps it until the parker closes; an engine
+    would keep its whole KV cache in a few such buffers for its lifetime.
+    """
+
+    def __init__(self, parker: KVParker, layout: KVLayout, num_tokens: int) -> None:
+        self.layout = layout
+        shape = (layout.num_chunks(num_tokens), *layout.block_shape)
+        cache_nbytes = int(np.prod(shape)) * layout.dtype.itemsize
+        if hasattr(os, "memfd_create"):
+            memory = parker.shared_buffer(cache_nbytes + layout.full_chunk_nbytes)
+        else:  # not Linux: no shared memory, the parks go inline over gRPC
+            memory = np.zeros(cache_nbytes + layout.full_chunk_nbytes, dtype=np.uint8)
+        # A fresh memfd reads as zeros, like the zeroed cache the model expects.
+        self.cache = memory[:cache_nbytes].view(layout.dtype).reshape(shape)
+        self._packed = memory[cache_nbytes:]
+        self.kv = layout.block_major(self.cache, num_tokens)
+
+    def chunk(self, chunk_id: int) -> memoryview:
+        """Chunk `chunk_id` as one range of the shared buffer (packing a partial one)."""
+        parts = self.layout.chunk_parts(self.kv, chunk_id)
+        if len(parts) == 1:
+            return parts[0]
+        pos = 0
+        for part in parts:
+            self._packed[pos : pos + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            pos += len(part)
+        return self._packed[:pos].data
+
+    def chunks(self, chunk_ids: range) -> dict[int, memoryview]:
+        return {c: self.chunk(c) for c in chunk_ids}
+
+
 def park_streamed(
     parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
-) -> ParkResult:
+) -> list[ParkResult]:
     """Prefills and parks at once: each chunk leaves while the next one is computed."""
-    layout = model.layout
-    cache = model.new_cache(len(tokens))
-    kv = layout.block_major(cache, len(tokens))
-    # Declaring the batch's size makes the producer reserve the pool before the first chunk
-    # (or answer POOL_FULL before any compute is spent on sending).
-    with parker.batch(
-        kid,
-        total_chunks=layout.num_chunks(len(tokens)),
-        batch_bytes=layout.kv_nbytes(len(tokens)),
-    ) as batch:
-        # `put` returns False once the producer ended the batch (a refusal); the prefill
-        # finishes anyway and `batch.result` says why.
-        model.prefill(tokens, cache, on_chunk=lambda c: batch.put(c, layout.chunk_parts(kv, c)))
-    assert batch.result is not None  # set by the clean exit's commit
-    return batch.result
+    kv = SharedKV(parker, model.layout, len(tokens))
+    total = model.layout.num_chunks(len(tokens))
+    parks: list[Future[ParkResult]] = []
+    # One sender thread: chunks are parked in order, and the model (numpy releases the GIL in
+    # its matrix products) computes the next chunk meanwhile.
+    with ThreadPoolExecutor(1, thread_name_prefix="park") as sender:
+
+        def on_chunk(chunk_id: int) -> None:
+            # The chunk is final in the cache (later steps never write it again), so the
+            # producer may copy it while the model goes on.
+            chunk = {chunk_id: kv.chunk(chunk_id)}
+            parks.append(sender.submit(parker.park, kid, chunk, total_chunks=total))
+
+        model.prefill(tokens, kv.cache, on_chunk=on_chunk)
+        return [park.result() for park in parks]
 
 
 def park_prefix_then_preempted(
     parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
-) -> ParkResult:
+) -> list[ParkResult]:
     """Commits the first half of the chunks; the batch with the rest is cut off."""
     layout = model.layout
-    cache = model.new_cache(len(tokens))
-    model.prefill(tokens, cache)
-    kv = layout.block_major(cache, len(tokens))
+    kv = SharedKV(parker, layout, len(tokens))
+    model.prefill(tokens, kv.cache)
     total = layout.num_chunks(len(tokens))
     prefix = partial_prefix(total)
     # total_chunks tells the producer (and a Lookup) how many chunks the id will have.
-    first = parker.park(kid, layout.chunk_buffers(kv, range(prefix)), total_chunks=total)
+    first = parker.park(kid, kv.chunks(range(prefix)), total_chunks=total)
     if not first.ok:
-        return first
+        return [first]
     try:
+        # A streamed batch (`parker.batch`) sends its chunks inline over the gRPC stream.
         with parker.batch(kid, total_chunks=total) as rest:
-            rest.put(prefix, layout.chunk_parts(kv, prefix))
+            rest.put(prefix, kv.chunk(prefix))
             # An exception inside the block: no commit is sent, the call is cancelled, and the
             # producer drops what this batch sent.
             raise Preempted(f"preempted after sending chunk {prefix} of {total}")
     except Preempted:
         pass
-    return first
+    return [first]
 
 
 def park_whole(
     parker: KVParker, model: ReferenceModel, kid: str, tokens: npt.NDArray[np.int64]
-) -> ParkResult:
-    """Prefills, then parks every chunk in one call (one gather list per chunk)."""
+) -> list[ParkResult]:
+    """Prefills, then parks every chunk in one call."""
     layout = model.layout
-    cache = model.new_cache(len(tokens))
-    model.prefill(tokens, cache)
-    kv = layout.block_major(cache, len(tokens))
-    return parker.park(kid, layout.chunk_buffers(kv, range(layout.num_chunks(len(tokens)))))
+    kv = SharedKV(parker, layout, len(tokens))
+    model.prefill(tokens, kv.cache)
+    return [parker.park(kid, kv.chunks(range(layout.num_chunks(len(tokens)))))]
 
 
-PARK = {
-    "on-time": (park_streamed, "streamed during its prefill"),
+Park = Callable[[KVParker, ReferenceModel, str, npt.NDArray[np.int64]], list[ParkResult]]
+
+
+PARK: dict[str, tuple[Park, str]] = {
+    "on-time": (park_streamed, "streamed chunk by chunk during its prefill"),
     "partial": (park_prefix_then_preempted, "the batch with the rest was cut off and undone"),
     "late": (park_whole, "parked after its prefill"),
     "queued": (park_whole, "parked after its prefill"),
@@ -140,27 +204,41 @@ def main() -> int:
         timeout=Timeout(total_s=PARK_TIMEOUT_S),
         token=settings.park_token,
         credentials=settings.credentials(),
+        # Park goes over shared memory or the gRPC stream, never tcp.
+        transport="auto" if settings.transport == "tcp" else settings.transport,
+        shm_socket=settings.shm_socket,
     ) as parker:
         info = connect(parker)
         say(
             f"producer {settings.target} epoch {info.producer_epoch:016x}, "
-            f"lease {info.unbound_store_timeout_s:g}s"
+            f"lease {info.unbound_store_timeout_s:g}s, offers {offered_transports(info)}"
         )
         for name, kid in request_ids(info.producer_epoch).items():
             tokens = prompt(name, model.config.vocab_size)
             park, how = PARK[name]
             started = time.perf_counter()
-            result = park(parker, model, kid, tokens)
+            results = park(parker, model, kid, tokens)
             took = time.perf_counter() - started
-            if not result.ok:
-                say(f"park {kid} failed: {result.reason} {result.detail}")
+            failed = [r for r in results if not r.ok]
+            if failed:
+                say(f"park {kid} failed: {failed[0].reason} {failed[0].detail}")
                 return 1
+            result = results[-1]  # the id's totals after its last batch
+            via = sorted({r.transport for r in results})
             total = layout.num_chunks(len(tokens))
             say(
                 f"parked {name:8s} {kid}: {result.chunks_parked} of {total} chunks "
-                f"({len(tokens)} tokens, {result.bytes_parked / 1024:.1f} KiB), {how}, "
-                f"{took * 1000:.0f} ms (lease {result.lease_remaining_s:.1f}s)"
+                f"({len(tokens)} tokens, {result.bytes_parked / 1024:.1f} KiB) via "
+                f"{'+'.join(via)} in {len(results)} park{'s' if len(results) > 1 else ''}, "
+                f"{how}, {took * 1000:.0f} ms (lease {result.lease_remaining_s:.1f}s)"
             )
+            expected = settings.expect_transport
+            if expected is not None and via != [expected]:
+                say(
+                    f"UNEXPECTED: {name} was parked via {'+'.join(via)}, not {expected} "
+                    "(DEMO_EXPECT_TRANSPORT)"
+                )
+                return 1
     if os.environ.get("DEMO_EXIT_AFTER_PARK", "").lower() in ("1", "true", "yes"):
         return 0
     say("done parking; idle until stopped")

@@ -39,7 +39,11 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
     path.chmod(0o644)  # containers run as a non-root user and must read it
 
 
-def make_certs(folder: Path, dns_names: tuple[str, ...] = ()) -> CertFiles:
+def make_certs(
+    folder: Path, dns_names: tuple[str, ...] = (), *, loopback: bool = True
+) -> CertFiles:
+    """`loopback=False`: the server certificate names only `dns_names`, not localhost and
+    127.0.0.1 (a certificate shared by producers that clients dial by IP)."""
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     valid = {
@@ -78,10 +82,12 @@ def make_certs(folder: Path, dns_names: tuple[str, ...] = ()) -> CertFiles:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return builder.sign(ca_key, hashes.SHA256()), key
 
-    server_sans: list[x509.GeneralName] = [
-        x509.DNSName("localhost"),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-    ]
+    server_sans: list[x509.GeneralName] = []
+    if loopback:
+        server_sans += [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]
     server_sans += [x509.DNSName(n) for n in dns_names]
     server_cert, server_key = leaf("kvpark producer", ExtendedKeyUsageOID.SERVER_AUTH, server_sans)
     client_cert, client_key = leaf("kvpark decode worker", ExtendedKeyUsageOID.CLIENT_AUTH, [])

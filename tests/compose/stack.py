@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -266,13 +267,32 @@ class Stack:
                 )
             time.sleep(0.05)
 
-    def run_loader(self, *args: str, timeout: float = 60) -> dict[str, Any]:
+    def run_tool(
+        self, service: str, *args: str, options: Iterable[str] = (), timeout: float = 60
+    ) -> list[dict[str, Any]]:
+        """Runs a one-off container of a tool service (loader, same-host) to the end, with
+        extra `run` options (-e, -v); returns the JSON events it printed."""
+        proc = self.run("run", "--rm", "--no-deps", "-T", *options, service, *args, timeout=timeout)
+        events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not events:
+            raise DockerError(f"{service} printed no events:\n{proc.stdout}{proc.stderr}")
+        return events
+
+    def run_loader(
+        self,
+        *args: str,
+        service: str = "loader",
+        options: Iterable[str] = (),
+        timeout: float = 60,
+    ) -> dict[str, Any]:
         """Runs loader.py in a one-off container to the end; returns its result event."""
-        proc = self.run("run", "--rm", "--no-deps", "-T", "loader", *args, timeout=timeout)
-        for line in proc.stdout.splitlines():
-            if line.startswith("{") and json.loads(line)["event"] == "result":
-                return dict(json.loads(line))
-        raise DockerError(f"loader printed no result:\n{proc.stdout}{proc.stderr}")
+        if service != "loader":  # the loader service's entrypoint names the script already
+            args = ("/kvpark-tests/loader.py", *args)
+        events = self.run_tool(service, *args, options=options, timeout=timeout)
+        for event in events:
+            if event["event"] == "result":
+                return event
+        raise DockerError(f"loader printed no result: {events}")
 
 
 class Lines:
@@ -322,9 +342,17 @@ class Lines:
 
 
 # ------------------------------------------------------------------------------ the demo
-def run_demo(stack: Stack) -> str:
+@dataclass(frozen=True)
+class DemoRun:
+    """What the demo's two workers printed."""
+
+    prefill: str
+    decode: str
+
+
+def run_demo(stack: Stack) -> DemoRun:
     """Runs the demo's decode and prefill workers against the stack's producer, in the order
-    compose gates them (decode ready first); returns the decode worker's output."""
+    compose gates them (decode ready first); both must exit 0."""
     decode = Lines(stack.popen("run", "--rm", "--no-deps", "-T", "decode-worker"))
     try:
         decode.wait_for("keeping 'queued' alive", timeout=60)
@@ -339,15 +367,16 @@ def run_demo(stack: Stack) -> str:
             decode.proc.kill()
             decode.proc.wait(timeout=10)
     assert code == 0, decode.text
-    return decode.text
+    return DemoRun(prefill=prefill.stdout, decode=decode.text)
 
 
 DEMO_REQUESTS = ("on-time", "partial", "late", "queued")
 
 
 def demo_rows(output: str) -> dict[str, list[str]]:
-    """The demo table's rows by request name, split into words. Compose prefixes each line
-    with the service name (`decode-worker_1  | `), which is dropped first."""
+    """The demo table's rows by request name, split into words: request, path, reason,
+    loaded, via (the transport), bytes, ... Compose prefixes each line with the service name
+    (`decode-worker_1  | `), which is dropped first."""
     rows = {}
     for line in output.splitlines():
         words = line.split("| ", 1)[-1].split()
@@ -360,6 +389,19 @@ def tokens_match(row: list[str]) -> str:
     """A demo row's `tokens = local prefill` cell: after the load time ("... ms") and the
     chunks the decode worker computed."""
     return row[row.index("ms") + 2]
+
+
+def loaded_via(output: str) -> list[str]:
+    """The decode table's `via` column (the transport of each request's bytes, "-" for
+    none), in DEMO_REQUESTS order."""
+    rows = demo_rows(output)
+    return [rows[name][4] for name in DEMO_REQUESTS]
+
+
+def parked_via(output: str) -> dict[str, str]:
+    """Each request's transport from the prefill worker's lines
+    "parked NAME ID: ... via TRANSPORT in N parks, ..."."""
+    return dict(re.findall(r"parked (\S+) +\S+: .* via (\S+) in ", output))
 
 
 # ------------------------------------------------------------------------- host-side calls

@@ -7,11 +7,16 @@ exits 2 at start; the demo workers read DEMO_* variables and must never be hande
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from kvpark.producer.config import KEYS
-from kvpark.producer.config_sources import CONFIG_ENV_VAR
+from kvpark.producer.config_sources import CONFIG_ENV_VAR, load_config
+from kvpark.producer.config_values import ConfigError
 
 from .stack import DEMO_FILE, ROOT, TEST_FILE, TLS_FILE
 
@@ -81,3 +86,53 @@ def test_demo_producer_memory_limit_follows_the_sizing_rule() -> None:
     [pool] = re.findall(r"KVPARK_POOL_BYTES: (\d+)MiB", block)
     [limit] = re.findall(r"^    mem_limit: (\d+)m$", block, flags=re.M)
     assert int(limit) >= int(pool) + 256
+
+
+def test_data_plane_wiring_of_the_demo() -> None:
+    """The producer's shm socket lies on the `kvpark-shm` volume, mounted by the producer and
+    the prefill worker at the same folder (so the path the producer advertises is the one the
+    worker finds) and not by the decode worker (which must take the data port, as on another
+    host); the data port is offered on the host the workers dial; each worker is told which
+    transport to expect."""
+    demo = yaml.safe_load(DEMO_FILE.read_text())
+    tools = yaml.safe_load(TEST_FILE.read_text())["services"]
+    assert "kvpark-shm" in demo["volumes"]
+    services_ = demo["services"]
+    env = services_["producer"]["environment"]
+    socket = env["KVPARK_SHM_SOCKET"]
+    folder = posixpath.dirname(socket)
+
+    def shm_mounts(service: dict[str, Any]) -> list[str]:
+        mounts = [str(m).split(":") for m in service.get("volumes", [])]
+        return [m[1] for m in mounts if m[0] == "kvpark-shm"]
+
+    assert shm_mounts(services_["producer"]) == [folder]
+    assert shm_mounts(services_["prefill-worker"]) == [folder]
+    assert shm_mounts(services_["decode-worker"]) == []
+    assert env["KVPARK_DATA_LISTEN"] == "0.0.0.0:50052"
+    for worker, transport in (("prefill-worker", "shm"), ("decode-worker", "tcp")):
+        worker_env = services_[worker]["environment"]
+        assert worker_env["DEMO_TARGET"] == env["KVPARK_ADVERTISE_ADDRESS"], worker
+        assert worker_env["DEMO_EXPECT_TRANSPORT"] == transport, worker
+    # The test suite's same-host tools share the volume too; its loader does not.
+    assert shm_mounts(tools["same-host"]) == [folder]
+    assert shm_mounts(tools["loader"]) == []
+
+
+def test_producer_environment_is_a_valid_configuration() -> None:
+    """Each way the compose files are combined gives the producer a configuration it accepts:
+    every value parsed and every cross-key rule checked, as at its start (file keys only name
+    files here; reading them comes later)."""
+    for files in ((DEMO_FILE,), (DEMO_FILE, TEST_FILE), (DEMO_FILE, TLS_FILE, TEST_FILE)):
+        env: dict[str, str] = {}
+        for path in files:
+            service = yaml.safe_load(path.read_text())["services"].get("producer", {})
+            env.update(service.get("environment", {}))
+        # ${VAR:-default} as compose expands it with VAR unset.
+        env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+        names = " + ".join(p.name for p in files)
+        try:
+            config = load_config([], env)
+        except ConfigError as exc:
+            raise AssertionError(f"{names}: the producer would exit 2: {exc}") from None
+        assert config.data_listen and config.shm_socket and config.advertise_address, names

@@ -17,7 +17,9 @@ from .stack import (
     LEASE_S,
     Stack,
     demo_rows,
+    loaded_via,
     park,
+    parked_via,
     run_demo,
     tokens_match,
     wait_for,
@@ -35,8 +37,11 @@ def test_demo_across_containers(producer: Stack) -> None:
     """Prefill container -> producer container -> decode container: the README's demo. The
     prefill worker parks the reference model's KV; the decode worker loads it (all, a prefix,
     nothing), prefills the rest, decodes, and exits 0 only when each request took its expected
-    path and its KV and tokens equal a local full prefill's."""
-    output = run_demo(producer)
+    path and its KV and tokens equal a local full prefill's. The prefill worker, which shares
+    the producer's shm volume, parks every request over shared memory; the decode worker, which
+    does not, loads every byte over the TCP data port."""
+    demo = run_demo(producer)
+    output = demo.decode
     rows = demo_rows(output)
     assert [rows[name][1:4] for name in DEMO_REQUESTS] == [
         ["remote", "-", "8/8"],
@@ -47,6 +52,11 @@ def test_demo_across_containers(producer: Stack) -> None:
     assert [tokens_match(rows[name]) for name in DEMO_REQUESTS] == ["yes"] * 4, output
     assert "tokens match a local prefill: 4 of 4" in output
     assert "is bitwise a local full prefill's" in output
+    assert parked_via(demo.prefill) == dict.fromkeys(DEMO_REQUESTS, "shm"), demo.prefill
+    assert "on-time  demo-" in demo.prefill and "via shm in 8 parks" in demo.prefill
+    # `late` was reaped before its load: no bytes, no transport.
+    assert loaded_via(output) == ["tcp", "tcp", "-", "tcp"], output
+    assert "offers shm /run/kvpark/shm.sock, tcp producer:50052, grpc" in output
 
 
 def test_happy_path_host_to_container(producer: Stack) -> None:

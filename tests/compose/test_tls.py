@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -23,7 +24,9 @@ from .stack import (
     TLS_FILE,
     Stack,
     demo_rows,
+    loaded_via,
     park,
+    parked_via,
     run_demo,
 )
 
@@ -64,7 +67,12 @@ def client_credentials(certs: CertFiles, *, with_cert: bool = True) -> grpc.Chan
 
 
 def test_demo_over_tls_and_mtls(tls_stack: Stack) -> None:
-    output = run_demo(tls_stack)
+    """The demo with TLS and client certificates everywhere: the decode worker's loads still
+    take the data port, now over TLS with its client certificate (the producer's data_tls
+    follows its TLS files); a failed handshake there would have sent them over gRPC instead.
+    The prefill worker's parks go over the shm socket, which TLS does not concern."""
+    demo = run_demo(tls_stack)
+    output = demo.decode
     rows = demo_rows(output)
     assert [rows[name][1] for name in DEMO_REQUESTS] == [
         "remote",
@@ -73,6 +81,9 @@ def test_demo_over_tls_and_mtls(tls_stack: Stack) -> None:
         "remote",
     ], output
     assert "tokens match a local prefill: 4 of 4" in output
+    assert "tcp producer:50052 (TLS)" in output
+    assert loaded_via(output) == ["tcp", "tcp", "-", "tcp"], output
+    assert parked_via(demo.prefill) == dict.fromkeys(DEMO_REQUESTS, "shm"), demo.prefill
 
 
 def test_host_client_needs_tls_and_a_client_certificate(tls_stack: Stack, certs: CertFiles) -> None:
@@ -93,3 +104,39 @@ def test_host_client_needs_tls_and_a_client_certificate(tls_stack: Stack, certs:
         result = kv.load(kid, num_chunks=1)
     assert result.ok, result
     assert result.data.tobytes() == data
+
+
+def test_data_port_serves_tls_and_requires_the_client_certificate(
+    tls_stack: Stack, certs: CertFiles
+) -> None:
+    """A decode container with the CA and the client certificate loads over the TLS data
+    port. One that leaves its certificate off the data connection only (its gRPC channel has
+    it) is refused there during the handshake, before any byte: its load goes on over gRPC."""
+    stamp = time.time_ns()
+    with_cert, without_cert = f"tls-data-{stamp}", f"tls-nocert-{stamp}"
+    data = os.urandom(4 * 256 * 1024)
+    chunks = {i: data[i * 256 * 1024 : (i + 1) * 256 * 1024] for i in range(4)}
+    credentials = client_credentials(certs)
+    with KVConsumer(tls_stack.target, token=FETCH_TOKEN, credentials=credentials) as kv:
+        # Intents: the loaders' containers start after the test producer's 2 s lease.
+        kv.extend_leases([with_cert, without_cert], 120)
+        assert kv.server_info().data_tls is True
+    for kid in (with_cert, without_cert):
+        park(tls_stack.target, PARK_TOKEN, kid, chunks, 4, credentials=credentials)
+    options = [
+        "-v", f"{certs.ca.parent}:/certs:ro",
+        "-e", "DEMO_TLS_CA=/certs/ca.pem",
+        "-e", "DEMO_TLS_CERT=/certs/client.pem",
+        "-e", "DEMO_TLS_KEY=/certs/client-key.pem",
+    ]  # fmt: skip
+    expected = hashlib.sha256(data).hexdigest()
+    for kid, extra, transport in (
+        (with_cert, [], "tcp"),
+        (without_cert, ["--data-tls-without-cert"], "grpc"),
+    ):
+        result = tls_stack.run_loader(
+            kid, "--chunks", "4", "--buffer-bytes", str(len(data)), *extra, options=options
+        )
+        assert result["ok"] and result["chunks_loaded"] == 4, result
+        assert result["transport"] == transport, result
+        assert result["sha256"] == expected

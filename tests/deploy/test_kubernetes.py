@@ -31,6 +31,8 @@ import pytest
 import yaml
 
 from kvpark.producer.config import KEYS
+from kvpark.producer.config_sources import load_config
+from kvpark.producer.config_values import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
@@ -43,11 +45,6 @@ DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
 # (init containers with restartPolicy Always); 1.32 is the kubectl this project is tested with.
 K8S_VERSIONS = ("1.29", "1.32")
 
-# Keys the deployment sets that the producer's configuration (kvpark.producer.config.KEYS) may
-# not know yet: the data plane's, being added. Every other KVPARK_ variable must name one of KEYS.
-KEYS_BEING_ADDED = frozenset(
-    {"park_idle_timeout_s", "delivery_grace_s", "advertise_address", "data_listen", "shm_socket"}
-)
 # Keys a deployment must never set: token values belong in files (park_token_file, ...).
 TOKEN_VALUE_KEYS = frozenset({"park_token", "fetch_token"})
 DEFAULTS = {"max_tombstones": 1_000_000, "shutdown_grace_s": 10.0}
@@ -308,7 +305,7 @@ def test_producer_runs_as_a_native_sidecar_of_the_engine(base: list[Obj]) -> Non
 
 
 def test_every_kvpark_variable_is_a_producer_key(base: list[Obj]) -> None:
-    known = (frozenset(KEYS) | KEYS_BEING_ADDED) - TOKEN_VALUE_KEYS
+    known = frozenset(KEYS) - TOKEN_VALUE_KEYS
     unknown = []
     for workload in workloads(base):
         for container in all_containers(pod_spec(workload)):
@@ -342,6 +339,46 @@ def test_producer_advertises_its_pod_ip_and_logs_json(base: list[Obj]) -> None:
         assert env[ref]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert port_of(advertise) == port_of(key_value(producer, "listen") or "")
     assert key_value(producer, "log_format") == "json"
+
+
+def producer_environment(producer: Obj) -> dict[str, str]:
+    """The producer's KVPARK_ variables as the kubelet hands them over: $(VAR) references to
+    earlier variables expanded, the downward API's pod IP stood in for by a documentation
+    address."""
+    values: dict[str, str] = {}
+    for entry in producer.get("env", []):
+        if "value" in entry:
+            values[entry["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: values[m.group(1)], entry["value"]
+            )
+        elif entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            values[entry["name"]] = "192.0.2.10"
+    return {k: v for k, v in values.items() if k.startswith("KVPARK_")}
+
+
+def test_producer_environment_is_a_valid_configuration(base: list[Obj]) -> None:
+    """What the producer itself would do at start: every value parsed and every cross-key
+    rule checked (the file keys only name files; reading them comes later)."""
+    _, producer = prefill(base)
+    try:
+        config = load_config([], producer_environment(producer))
+    except ConfigError as exc:
+        pytest.fail(f"the producer would exit 2: {exc}")
+    assert config.advertise_address == "192.0.2.10:50051"
+    assert config.data_listen and config.shm_socket
+
+
+def test_park_idle_and_delivery_grace_are_chosen_and_consistent(base: list[Obj]) -> None:
+    """Both are set in the manifest (the deployment's choice, commented there), and a decode
+    worker that retries a delivery within its own load timeout still finds the bytes."""
+    _, producer = prefill(base)
+    for key in ("park_idle_timeout_s", "delivery_grace_s"):
+        assert key_value(producer, key) is not None, f"set {key} explicitly"
+    config = load_config([], producer_environment(producer))
+    assert config.delivery_grace_s >= config.consumer_load_timeout_s, (
+        f"delivery_grace_s {config.delivery_grace_s:g} s < consumer_load_timeout_s "
+        f"{config.consumer_load_timeout_s:g} s: a retried load could find its bytes gone"
+    )
 
 
 def test_memory_limit_covers_pool_and_id_tables(base: list[Obj]) -> None:
