@@ -13,12 +13,13 @@ answered EPOCH_MISMATCH, never on a call's critical path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import ssl
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import grpc
@@ -29,7 +30,7 @@ from kvpark.shm import FETCH_ROLE
 
 from ._buffers import Destination, IntoBuffer, destination_for
 from ._channel import ChannelSettings
-from ._errors import ClientClosedError, LoadFailedError, UsageError
+from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
 from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
@@ -258,6 +259,15 @@ class ClientCore:
     def uses_shm(self) -> bool:
         return self.transport in ("auto", "shm")
 
+    def lends_blind(self) -> bool:
+        """True when a call is about to lend over shared memory (the caller made a shared
+        buffer, or asked for "shm") while the producer's epoch is unknown. The call then reads
+        ServerInfo first, once per client: the shm socket's producer is checked against it
+        before a buffer is lent, and an unchecked socket is not used, so without it the first
+        such call would go over the gRPC stream for no reason."""
+        wanted = self.transport == "shm" or (self.transport == "auto" and self.shm.has_buffers)
+        return wanted and self.info is None and not self.closed
+
     def accept_transports(self) -> tuple[pb.Transport, ...]:
         """What a Fetch offers to take, best first (the producer picks what it has). TCP goes
         in when it can work: over TLS only with `data_tls`, since the channel's credentials
@@ -320,6 +330,25 @@ class ClientBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}{', closed' if self.closed else ''})"
+
+
+def read_info_before_lending(
+    core: ClientCore, server_info: Callable[..., Any], timeout: TimeoutArg
+) -> None:
+    """One ServerInfo call, within the call's timeout, when `core.lends_blind()`. A producer
+    that cannot be reached is left for the call itself to report, as a value."""
+    if core.lends_blind():
+        with contextlib.suppress(RPCError):
+            server_info(timeout=timeout)
+
+
+async def aread_info_before_lending(
+    core: ClientCore, server_info: Callable[..., Awaitable[Any]], timeout: TimeoutArg
+) -> None:
+    """As `read_info_before_lending`, for the async clients."""
+    if core.lends_blind():
+        with contextlib.suppress(RPCError):
+            await server_info(timeout=timeout)
 
 
 # ------------------------------------------------------------------------ unary messages

@@ -68,6 +68,11 @@ class ShmAccess:
             self._buffers.append(buffer)
         return buffer.array
 
+    @property
+    def has_buffers(self) -> bool:
+        """Whether the caller made shared buffers (shared_buffer()) on this client."""
+        return bool(self._buffers)
+
     def lend_of(self, obj: Any) -> tuple[str, memoryview, int, int] | None:
         """(lend id, the whole lent buffer, offset, length) when `obj` lies in one of this
         client's shared buffers and lending works; None otherwise."""

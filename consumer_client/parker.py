@@ -41,7 +41,16 @@ from kvpark.shm import PARK_ROLE
 
 from ._async import caller_cancelled
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
-from ._core import SERVICE, ClientBase, ClientCore, Transport, release_request, valid_id
+from ._core import (
+    SERVICE,
+    ClientBase,
+    ClientCore,
+    Transport,
+    aread_info_before_lending,
+    read_info_before_lending,
+    release_request,
+    valid_id,
+)
 from ._errors import UsageError, error_from_rpc
 from ._models import ProducerInfo, ReleaseResult
 from ._park import (
@@ -178,6 +187,7 @@ class KVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
+        read_info_before_lending(self._core, self.server_info, timeout)
         plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
         try:
             while True:
@@ -424,6 +434,7 @@ class AsyncKVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
+        await aread_info_before_lending(self._core, self.server_info, timeout)
         plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
         try:
             while True:

@@ -430,3 +430,28 @@ async def test_shm_park_names_many_chunks_per_message_and_one_bad_crc_keeps_none
             assert (status.chunks_parked, status.nbytes) == (0, 0), status
         await wait_until(lambda: server.pool.statistics().used_bytes == 0, what="all freed")
         server.lot.check_invariants()
+
+
+async def test_the_first_park_and_load_of_shared_buffers_go_over_shared_memory(
+    shm_socket: str,
+) -> None:
+    """A client that made shared buffers learns the producer's epoch before its first lend
+    (the socket is checked against it), so its very first park and load use them: no first
+    call quietly over the gRPC stream."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+
+        def run() -> tuple[Any, Any, bytes]:
+            with KVParker(server.target) as parker, KVConsumer(server.target) as consumer:
+                assert parker.info is None and consumer.info is None
+                kv = parker.shared_buffer(3 * CHUNK)
+                kv[:] = np.frombuffer(joined(chunks(3, seed=11)), np.uint8)
+                parked = parker.park("first", [kv[i * CHUNK : (i + 1) * CHUNK] for i in range(3)])
+                cache = consumer.shared_buffer(3 * CHUNK)
+                loaded = consumer.load("first", num_chunks=3, into=cache)
+                return parked, loaded, cache.tobytes()
+
+        parked, loaded, landed = await in_thread(run)
+        assert parked.ok and parked.transport == "shm", parked
+        assert loaded.ok and loaded.transport == "shm", loaded
+        assert landed == joined(chunks(3, seed=11))
+        server.lot.check_invariants()
