@@ -539,6 +539,12 @@ class Lot:
                 other.crc32c == stored.crc32c and self.pool.same_bytes(other.handle, stored.handle)
             ):
                 return Refusal(CHUNK_CONFLICT, f"chunk {chunk_id} was committed with other bytes")
+        beyond = [c for c in batch.pending if entry.total_chunks and c >= entry.total_chunks]
+        if beyond:
+            # The total was fixed after these chunks arrived (by another batch's header or
+            # commit): keeping them would give the id a chunk no whole-id Fetch ever sends.
+            detail = f"chunk {max(beyond)} is beyond total_chunks {entry.total_chunks}"
+            return Refusal(CHUNK_CONFLICT, f"{detail}, fixed by another batch")
         if not entry.total_chunks and batch.pending:
             total = max(max(batch.pending), max(entry.chunks, default=-1)) + 1
             conflict = self._total_conflict(entry, total)

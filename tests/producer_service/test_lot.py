@@ -679,12 +679,6 @@ def test_chunk_id_at_or_beyond_total_chunks_is_malformed_and_undoes_the_batch(ri
     assert isinstance(rig.commit(batch), Refusal)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lot.py bug: commit_park checks a batch's chunk ids against total_chunks only when "
-    "the commit itself fixes the total; a total fixed after the chunk was stored (by another "
-    "batch's commit or header) is never checked, so a chunk >= total_chunks gets committed",
-)
 @pytest.mark.parametrize("fixed_by", ["commit", "header"])
 def test_a_commit_is_refused_when_a_total_fixed_after_its_chunks_were_stored_excludes_them(
     rig: Rig, fixed_by: str
@@ -2313,11 +2307,6 @@ class LotMachine(RuleBasedStateMachine):
         if mb.failed is not None:
             assert_refused(self.lot.commit_park(mb.batch, *counts), mb.failed)
             return
-        if entry.total and any(cid >= entry.total for cid in mb.pending):
-            # lot.py commits such a batch (see the xfail test_a_commit_is_refused_when_a_total
-            # _fixed_after_its_chunks_were_stored_excludes_them): end the stream instead.
-            self.do_end_stream(mb)
-            return
         expected = None
         if extra != (0, 0):
             expected = COMMIT_MISMATCH
@@ -2325,6 +2314,8 @@ class LotMachine(RuleBasedStateMachine):
             expected = ALREADY_CONSUMED
         elif any(entry.chunks.get(cid, data) != data for cid, data in mb.pending.items()):
             expected = CHUNK_CONFLICT
+        elif entry.total and any(cid >= entry.total for cid in mb.pending):
+            expected = CHUNK_CONFLICT  # a total fixed after these chunks arrived excludes them
         elif not entry.total and mb.pending:
             total = max([*mb.pending, *entry.chunks]) + 1
             if self.total_conflict(entry, total):
