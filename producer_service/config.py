@@ -201,6 +201,14 @@ class ProducerConfig:
         default=1000,
         metadata=_key(_COUNT, "client connections accepted at once; more are refused"),
     )
+    data_threads: int = field(
+        default=2,
+        metadata=_key(
+            _COUNT,
+            "threads that move bulk bytes (TCP data sends, shared-memory copies), at a lower "
+            "CPU priority than the event loop that answers control calls",
+        ),
+    )
     max_tombstones: int = field(
         default=1_000_000,
         metadata=_key(_COUNT, "tombstone count cap, oldest pruned first"),

@@ -29,6 +29,7 @@ from .auth import TokenAuthInterceptor
 from .config import ProducerConfig
 from .credentials import Credentials, load_credentials
 from .data_listener import DataListener
+from .data_threads import DataThreads
 from .fd_budget import check_fd_budget
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
@@ -124,6 +125,7 @@ class ProducerServer:
         self.lot = Lot(self.pool, settings, self.epoch, clock)
         self.metrics = ProducerMetrics(self.pool.statistics(), self.lot.statistics())
         self._auth = self._token_interceptor()
+        self.data_threads = DataThreads(config.data_threads)
         self.servicer = KVProducerServicer(
             self.lot,
             self.metrics,
@@ -132,6 +134,7 @@ class ProducerServer:
             server_info=self.server_info,
             refuse_give_up=self._auth.refuse_give_up if self._auth else lambda metadata: None,
             advertise_address=config.advertise_address,
+            data_threads=self.data_threads,
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -375,6 +378,7 @@ class ProducerServer:
             self.data.stop()
         if self.shm is not None:
             self.shm.stop()
+        self.data_threads.close()
         self.metrics.close()
         self._stopped.set()
 

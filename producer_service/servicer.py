@@ -29,6 +29,7 @@ from kvpark.ids import id_problem, printable_id
 from kvpark.pb import kvpark_pb2 as pb
 
 from .data_listener import DataListener
+from .data_threads import DataThreads
 from .logs import LOGGER_NAME, RateLimitedWarnings
 from .lot import (
     FetchBinding,
@@ -68,16 +69,16 @@ class KVProducerServicer:
         fetch_stall_timeout_s: float,
         server_info: Callable[[], pb.ServerInfo],
         refuse_give_up: Callable[[Any], tuple[grpc.StatusCode, str] | None] = lambda md: None,
+        data_threads: DataThreads,
         advertise_address: str = "",
-        data: DataListener | None = None,
-        data_address: str = "",
-        shm: ShmLendingServer | None = None,
     ) -> None:
         self._advertise_address = advertise_address
-        # The out-of-band transports this producer offers (None: not offered).
-        self._data = data
-        self._data_address = data_address
-        self._shm = shm
+        # The out-of-band transports this producer offers (None: not offered; see `offer`),
+        # and the threads that move their bytes.
+        self._data: DataListener | None = None
+        self._data_address = ""
+        self._shm: ShmLendingServer | None = None
+        self._threads = data_threads
         self._lot = lot
         self._metrics = metrics
         self._max_chunk_bytes = max_chunk_bytes
@@ -135,7 +136,7 @@ class KVProducerServicer:
             except LendGone:
                 self._lot.abort_park(batch)
                 await _invalid(context, "the lent buffer was released before the Park used it")
-            fills = LentChunks(self._lot, batch, lent.view)
+            fills = LentChunks(self._lot, batch, lent.view, self._threads)
         try:
             async for raw in requests:
                 message = await _parse_park(context, raw)
@@ -338,7 +339,7 @@ class KVProducerServicer:
         stall_s = self._fetch_stall_timeout_s
         if transport == SHM:
             target = lent.view[request.shm_offset : request.shm_offset + request.shm_length]
-            return ShmStream(context, target, limit=request.shm_length)
+            return ShmStream(context, target, limit=request.shm_length, threads=self._threads)
         if transport == TCP:
             assert self._data is not None
             ticket, arrival = self._data.expect()
@@ -358,7 +359,7 @@ class KVProducerServicer:
                     )
             finally:
                 self._data.forget(ticket)  # used or not, it opens nothing any more
-            return TcpStream(sock, stall_s)
+            return TcpStream(sock, stall_s, self._threads)
         on_stall = functools.partial(self._stalled, binding, binding.entry.kv_request_id, context)
         return GrpcStream(context, stall_s, on_stall)
 

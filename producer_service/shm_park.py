@@ -21,6 +21,7 @@ import numpy as np
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 
+from .data_threads import DataThreads
 from .lot import Lot, ParkBatch, Refusal
 from .pool import SlotHandle
 
@@ -53,8 +54,9 @@ class LentChunks:
     """The fills of one Park batch from one lent buffer, a ChunkRefs message at a time: the
     chunks one message names are copied by one job on a worker thread."""
 
-    def __init__(self, lot: Lot, batch: ParkBatch, lent: memoryview) -> None:
+    def __init__(self, lot: Lot, batch: ParkBatch, lent: memoryview, threads: DataThreads) -> None:
         self._lot = lot
+        self._threads = threads
         self._batch = batch
         self._lent = lent
         self._groups: deque[tuple[asyncio.Future[list[int]], list[Fill]]] = deque()
@@ -87,7 +89,7 @@ class LentChunks:
         if refused is not None:
             return refused
         jobs = [(self._lent[r.offset : r.offset + r.nbytes], views) for r, _, views in opened]
-        future = asyncio.ensure_future(asyncio.to_thread(copy_group, jobs))
+        future = asyncio.ensure_future(self._threads.run(copy_group, jobs))
         self._groups.append((future, [(ref, handle) for ref, handle, _ in opened]))
         while len(self._groups) >= MAX_GROUPS_IN_FLIGHT:
             refused = await self._end_oldest()

@@ -5,8 +5,8 @@ differs. `GrpcStream` writes each chunk as a message of the call. `TcpStream` wr
 frames to the consumer's data connection (kvpark.tcp_frames) from a worker thread, straight
 from the pool's memoryviews. `ShmStream` copies batches from the pool into the buffer the
 consumer lent (kvpark.producer.shm_lending) on a worker thread, then tells the consumer where
-each chunk landed. Copies and socket writes release the GIL, so the event loop keeps answering
-control calls while bytes move.
+each chunk landed. Copies and socket writes release the GIL and run on the data threads
+(data_threads.py), so the event loop keeps answering control calls while bytes move.
 
 A batch is what the lot has ready at once, up to BATCH_BYTES: one thread hop per batch rather
 than per chunk. A batch's views stay valid while it is written: the lot frees a bound id's
@@ -26,6 +26,7 @@ from kvpark import wire
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.tcp_frames import send_frame
 
+from .data_threads import DataThreads
 from .lot import ReadyChunk
 
 # Bytes handed to one worker-thread call: large enough that the hop (~50 µs) is noise, small
@@ -78,13 +79,14 @@ class TcpStream:
 
     transport = pb.TRANSPORT_TCP
 
-    def __init__(self, sock: socket.socket, stall_s: float) -> None:
+    def __init__(self, sock: socket.socket, stall_s: float, threads: DataThreads) -> None:
         sock.settimeout(stall_s)  # a send that makes no progress this long is a stall
         self._sock = sock
+        self._threads = threads
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
         try:
-            await asyncio.to_thread(self._write, chunks)
+            await self._threads.run(self._write, chunks)
         except TimeoutError as exc:
             raise Stalled from exc
 
@@ -102,8 +104,11 @@ class ShmStream:
 
     transport = pb.TRANSPORT_SHM
 
-    def __init__(self, context: Any, target: memoryview, *, limit: int) -> None:
+    def __init__(
+        self, context: Any, target: memoryview, *, limit: int, threads: DataThreads
+    ) -> None:
         self._context = context
+        self._threads = threads
         self._target = np.frombuffer(target, dtype=np.uint8)
         self._pos = 0
         self._limit = limit
@@ -119,7 +124,7 @@ class ShmStream:
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
         start = self._pos
-        await asyncio.to_thread(self._copy, chunks, start)
+        await self._threads.run(self._copy, chunks, start)
         placed = pb.ChunksPlaced()
         pos = start
         for step in chunks:

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvpark.producer.data_threads import lower_priority
+
 from .._models import State
 from .._result import Reason
 from .._sync import KVConsumer
@@ -201,7 +203,10 @@ def concurrent(run: Run) -> None:
     """STREAMS loads at once, each of 1/STREAMS of a transfer, into their own slice of one
     destination, against the single load of the whole transfer measured before: the aggregate
     seconds. Meanwhile another process sends late fetches (late_fetcher.py): what a turned-away
-    decode worker waits while the producer is busy."""
+    decode worker waits while the producer is busy. The loading threads run at a lower CPU
+    priority (nice +10) than that prober: on this one host they stand for decode workers on
+    other hosts, whose cores the producer does not share, so the late fetch measures the
+    producer's answer rather than a fight for this host's cores."""
     p = run.plan
     chunk = p.chunks[0]
     part = p.size // STREAMS // chunk * chunk  # whole chunks per stream, the rest to the last
@@ -253,7 +258,7 @@ def _load_all(
         into = dest[span[0] : span[1]]
         return consumer.load(kid, into=into, timeout=timeout, confirm=False)
 
-    with ThreadPoolExecutor(STREAMS) as pool:
+    with ThreadPoolExecutor(STREAMS, initializer=lower_priority) as pool:
         loads = [pool.submit(load, kid, span) for kid, span in zip(kids, spans, strict=True)]
         return [f.result() for f in loads]
 
