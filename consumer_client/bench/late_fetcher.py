@@ -27,7 +27,7 @@ import grpc
 
 from .._result import Reason
 from .._sync import KVConsumer
-from .processes import child_env, stop_pid
+from .processes import child_env, end_child
 
 CALL_TIMEOUT_S = 10.0
 
@@ -83,14 +83,7 @@ class Prober:
         return tries
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()  # the prober's signal to exit
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            stop_pid(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        end_child(self.proc)
 
 
 def _late_fetch(consumer: KVConsumer, kid: str) -> float:

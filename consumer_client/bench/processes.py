@@ -61,6 +61,19 @@ def stop_pid(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int | None:
     return proc.returncode
 
 
+def end_child(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """Ends a helper process that exits when its stdin closes (the raw-TCP peer, the late-fetch
+    prober): closes its stdin, waits `grace_s`, then stops it by PID."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        stop_pid(proc)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 class OwnProducer:
     """`python -m kvpark.producer` on a free loopback port, owned by this object, offering
     every transport: a data listener on another free loopback port, and a shared-memory

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from . import payload
-from .processes import child_env, cpu_seconds, spent, stop_pid
+from .processes import child_env, cpu_seconds, end_child, spent, stop_pid
 
 IO_TIMEOUT_S = 60.0  # a stalled peer fails the run instead of hanging it
 
@@ -62,14 +62,7 @@ class RawTcp:
 
     def close(self) -> None:
         self._conn.close()
-        if self.peer.stdin is not None:
-            self.peer.stdin.close()  # the peer's signal to exit
-        try:
-            self.peer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            stop_pid(self.peer)
-        if self.peer.stdout is not None:
-            self.peer.stdout.close()
+        end_child(self.peer)
 
 
 def peer_main(argv: Sequence[str]) -> int:
