@@ -29,7 +29,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from kvpark import ConsumerMetrics
 from kvpark.producer.config import KEYS
 from kvpark.producer.config_sources import load_config
 from kvpark.producer.config_values import ConfigError
@@ -49,25 +51,21 @@ K8S_VERSIONS = ("1.29", "1.32")
 TOKEN_VALUE_KEYS = frozenset({"park_token", "fetch_token"})
 DEFAULTS = {"max_tombstones": 1_000_000, "shutdown_grace_s": 10.0}
 
-# Metrics of the consumer library (decode side).
-CLIENT_METRICS = frozenset(
-    {
-        "kvpark_client_loads_total",
-        "kvpark_client_loaded_bytes_total",
-        "kvpark_client_load_seconds",
-        "kvpark_client_first_chunk_seconds",
-        "kvpark_client_load_throughput_bytes_per_second",
-        "kvpark_client_recomputed_chunks_total",
-        "kvpark_client_fallbacks_total",
-    }
-)
-CLIENT_HISTOGRAMS = frozenset(
-    {
-        "kvpark_client_load_seconds",
-        "kvpark_client_first_chunk_seconds",
-        "kvpark_client_load_throughput_bytes_per_second",
-    }
-)
+
+def client_metrics() -> tuple[frozenset[str], frozenset[str]]:
+    """The consumer library's series as `ConsumerMetrics` exports them (decode side): every
+    name, and those that are histograms."""
+    registry = CollectorRegistry()
+    ConsumerMetrics(registry)
+    names, histograms = set(), set()
+    for family in registry.collect():
+        if family.type == "histogram":
+            histograms.add(family.name)
+        names.add(family.name + "_total" if family.type == "counter" else family.name)
+    return frozenset(names), frozenset(histograms)
+
+
+CLIENT_METRICS, CLIENT_HISTOGRAMS = client_metrics()
 
 MiB = 1024 * 1024
 # README: container memory limit = pool_bytes + 256 MiB + the remembered-id tables. The tables
