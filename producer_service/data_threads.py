@@ -14,11 +14,10 @@ threads at +10, 9-17 ms and 0.33 s.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -44,11 +43,40 @@ class DataThreads:
             count, thread_name_prefix="kvpark-data", initializer=lower_priority
         )
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on a data thread. Cancelling the caller does not stop the thread: a
-        caller that hands out memory to `fn` waits for it before taking the memory back."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Starts `fn(*args)` on a data thread; `wait` for it."""
+        return self._pool.submit(fn, *args)
+
+    async def run(
+        self, fn: Callable[..., T], *args: Any, interrupt: Callable[[], None] | None = None
+    ) -> T:
+        """`fn(*args)` on a data thread, waited for as `wait` does."""
+        return await wait(self.submit(fn, *args), interrupt=interrupt)
+
+    def close(self) -> None:
+        """No more work; threads still running finish what they were given."""
+        self._pool.shutdown(wait=False)
+
+
+async def wait(job: Future[T], *, interrupt: Callable[[], None] | None = None) -> T:
+    """The job's result. A cancel of the caller cannot stop a thread that is copying into or
+    out of memory the caller owns (pool pages, a lent buffer, a socket), so the caller keeps
+    waiting until the thread is done, after `interrupt()` (which should make it finish soon,
+    e.g. shut its socket down), and only then re-raises the cancel: nothing the job uses is
+    freed, unmapped or closed under it."""
+    cancelled = False
+    while not job.done():
+        try:
+            await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            if not cancelled and interrupt is not None:
+                interrupt()
+            cancelled = True
+        except Exception:
+            break  # the job failed: its result below raises that
+    if cancelled:
+        raise asyncio.CancelledError
+    return job.result()
 
     def close(self) -> None:
         """No more work; threads still running finish what they were given."""

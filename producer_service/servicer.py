@@ -167,9 +167,11 @@ class KVProducerServicer:
             raise  # the client went away: the finally undoes the batch
         finally:
             self._lot.abort_park(batch)  # a no-op once committed or already undone
-            if fills is not None:
-                await fills.drain()  # threads still copying finish before pages go back
-            held.close()
+            try:
+                if fills is not None:
+                    await fills.drain()  # threads still copying finish before pages go back
+            finally:
+                held.close()  # the lent buffer, mapped until its last copy ended
 
     async def _lent_for_park(self, header: pb.ParkHeader, context: Any) -> Any:
         """The buffer a Park header names (TRANSPORT_SHM), or None when chunks come inline."""

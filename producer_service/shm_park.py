@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 
-from .data_threads import DataThreads
+from .data_threads import DataThreads, wait
 from .lot import Lot, ParkBatch, Refusal
 from .pool import SlotHandle
 
@@ -59,7 +60,7 @@ class LentChunks:
         self._threads = threads
         self._batch = batch
         self._lent = lent
-        self._groups: deque[tuple[asyncio.Future[list[int]], list[Fill]]] = deque()
+        self._groups: deque[tuple[Future[list[int]], list[Fill]]] = deque()
 
     def check_range(self, ref: pb.ChunkRef) -> str | None:
         """What is wrong with the range `ref` names, or None."""
@@ -89,8 +90,8 @@ class LentChunks:
         if refused is not None:
             return refused
         jobs = [(self._lent[r.offset : r.offset + r.nbytes], views) for r, _, views in opened]
-        future = asyncio.ensure_future(self._threads.run(copy_group, jobs))
-        self._groups.append((future, [(ref, handle) for ref, handle, _ in opened]))
+        job = self._threads.submit(copy_group, jobs)
+        self._groups.append((job, [(ref, handle) for ref, handle, _ in opened]))
         while len(self._groups) >= MAX_GROUPS_IN_FLIGHT:
             refused = await self._end_oldest()
             if refused is not None:
@@ -108,14 +109,20 @@ class LentChunks:
 
     async def drain(self) -> None:
         """After the batch was cut off: waits for the threads still writing (a cancel of the
-        handler does not stop them), then lets the lot free their pages."""
+        handler does not stop them), then lets the lot free their pages. A cancel that arrives
+        meanwhile is re-raised once every group is handed back."""
+        cancelled = False
         while self._groups:
-            future, fills = self._groups.popleft()
+            job, fills = self._groups.popleft()
             try:
-                await asyncio.shield(future)
+                await wait(job)
             except asyncio.CancelledError:
-                await future  # the thread is still writing: its pages must wait for it
+                cancelled = True
+            except Exception:
+                pass  # a failed copy: its pages go back like the others
             self._end_unfilled(fills)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _end_unfilled(self, fills: list[Fill]) -> None:
         """Hands back slots of a batch already undone: the lot frees them."""
@@ -123,8 +130,8 @@ class LentChunks:
             self._lot.end_fill(self._batch, ref.chunk_id, handle, None, 0)
 
     async def _end_oldest(self) -> Refusal | None:
-        future, fills = self._groups[0]
-        crcs = await future
+        job, fills = self._groups[0]
+        crcs = await wait(job)  # cancelled: the group stays for `drain`
         self._groups.popleft()
         for i, ((ref, handle), crc) in enumerate(zip(fills, crcs, strict=True)):
             given = ref.crc32c if ref.HasField("crc32c") else None

@@ -455,3 +455,29 @@ async def test_the_first_park_and_load_of_shared_buffers_go_over_shared_memory(
         assert loaded.ok and loaded.transport == "shm", loaded
         assert landed == joined(chunks(3, seed=11))
         server.lot.check_invariants()
+
+
+async def test_an_shm_park_cut_off_mid_copy_gives_every_page_and_the_lend_back(
+    shm_socket: str,
+) -> None:
+    """A Park over shared memory whose deadline passes while copy jobs run: the handler waits
+    for the threads still copying, then every slot they filled goes back to the pool and the
+    lent buffer is no longer held, so the client can release it."""
+    async with running_producer(
+        **{**SETTINGS, "pool_bytes": 256 * MiB, "max_batch_share": 1.0}, shm_socket=shm_socket
+    ) as server:
+
+        def run() -> Any:
+            with KVParker(server.target) as parker:
+                kv = parker.shared_buffer(192 * MiB)
+                kv[:] = 1
+                pieces = [kv[i * CHUNK : (i + 1) * CHUNK] for i in range(192)]
+                return parker.park("cut", pieces, timeout=0.05)
+
+        cut = await in_thread(run)
+        assert not cut.ok and cut.reason is Reason.TIMEOUT, cut
+        await wait_until(lambda: server.pool.statistics().used_bytes == 0, what="pages back")
+        await wait_until(lambda: server.lot.statistics().pending_bytes == 0, what="no fills")
+        assert server.shm is not None
+        await wait_until(lambda: server.shm.lend_count == 0, what="the lend released")
+        server.lot.check_invariants()
