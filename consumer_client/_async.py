@@ -303,7 +303,7 @@ class AsyncKVConsumer(ClientBase):
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
-        await aread_info_before_lending(self._core, self.server_info, timeout)
+        timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -413,7 +413,7 @@ class AsyncKVConsumer(ClientBase):
         redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
-        await aread_info_before_lending(self._core, self.server_info, timeout)
+        timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,

@@ -18,6 +18,7 @@ import logging
 import math
 import ssl
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
@@ -334,21 +335,31 @@ class ClientBase:
 
 def read_info_before_lending(
     core: ClientCore, server_info: Callable[..., Any], timeout: TimeoutArg
-) -> None:
-    """One ServerInfo call, within the call's timeout, when `core.lends_blind()`. A producer
-    that cannot be reached is left for the call itself to report, as a value."""
-    if core.lends_blind():
-        with contextlib.suppress(RPCError):
-            server_info(timeout=timeout)
+) -> TimeoutArg:
+    """One ServerInfo call when `core.lends_blind()`, inside the call's own limits: it may take
+    no longer than the first chunk may, and what it took comes off the call's timeout, which
+    is returned. A producer that cannot be reached is left for the call to report, as a
+    value."""
+    if not core.lends_blind():
+        return timeout
+    limits = resolve(timeout, core.timeout)
+    started = time.monotonic()
+    with contextlib.suppress(RPCError):
+        server_info(timeout=limits.first_limit_s())
+    return limits.after(time.monotonic() - started)
 
 
 async def aread_info_before_lending(
     core: ClientCore, server_info: Callable[..., Awaitable[Any]], timeout: TimeoutArg
-) -> None:
+) -> TimeoutArg:
     """As `read_info_before_lending`, for the async clients."""
-    if core.lends_blind():
-        with contextlib.suppress(RPCError):
-            await server_info(timeout=timeout)
+    if not core.lends_blind():
+        return timeout
+    limits = resolve(timeout, core.timeout)
+    started = time.monotonic()
+    with contextlib.suppress(RPCError):
+        await server_info(timeout=limits.first_limit_s())
+    return limits.after(time.monotonic() - started)
 
 
 # ------------------------------------------------------------------------ unary messages

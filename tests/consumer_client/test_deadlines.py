@@ -206,3 +206,19 @@ def test_rule_a_number_means_that_many_seconds_in_all(frozen: FrozenProducer) ->
         started = time.monotonic()
         assert client.load("x", num_chunks=1).reason is Reason.TIMEOUT
         assert_within(time.monotonic() - started, 0.25)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "limit_s"), [(1.0, 1.0), (Timeout(4.0, first_chunk_s=0.5), 0.5)]
+)
+def test_the_epoch_read_before_a_first_lend_is_inside_the_loads_own_limits(
+    frozen: FrozenProducer, timeout: Timeout | float, limit_s: float
+) -> None:
+    """A load that would lend a shared buffer first reads the producer's epoch; that read
+    counts against the load's own limits (the first chunk's, else the total), it is not
+    extra time on top of them."""
+    with KVConsumer(frozen.target, transport="shm") as client:
+        started = time.monotonic()
+        result = client.load("x", num_chunks=1, timeout=timeout)
+        assert result.reason is Reason.TIMEOUT
+        assert_within(time.monotonic() - started, limit_s)
