@@ -258,6 +258,11 @@ class ParkResult:
         for a refused park: there is nothing to hand over."""
         if not self.ok:
             raise UsageError(f"no handle: parking {self.kv_request_id!r} failed ({self.reason})")
+        if not self.producer:
+            raise UsageError(
+                "no handle: the parker's target names no host:port decode workers could dial; "
+                "set the producer's advertise_address"
+            )
         return KVHandle(
             kv_request_id=self.kv_request_id,
             producer=self.producer,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import ssl
 
-from kvpark.address import Address
+from kvpark.address import Address, target_address
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.tcp_frames import (
     ACCEPTED,
@@ -27,7 +27,6 @@ from ._session import LoadSession, Step
 # Connecting and the ticket exchange must not take long: the producer's stall bound waits for
 # the connection, and a path that does not work should fall back while there is time.
 CONNECT_TIMEOUT_S = 5.0
-_URI_PREFIXES = ("dns:///", "dns:", "ipv4:", "ipv6:")
 
 
 class Fallback(Exception):
@@ -36,14 +35,8 @@ class Fallback(Exception):
 
 def host_of(target: str) -> str | None:
     """The host a gRPC target dials (for a DataOffer that names only a port), or None."""
-    for prefix in _URI_PREFIXES:
-        if target.startswith(prefix):
-            target = target[len(prefix) :]
-            break
-    try:
-        return Address.parse(target).host
-    except ValueError:
-        return None
+    address = target_address(target)
+    return None if address is None else address.host
 
 
 class TcpReceiver:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpark.address import Address
+from kvpark.ids import check_id
 from kvpark.pb import kvpark_pb2 as pb
 
 from ._errors import UsageError
@@ -38,6 +39,8 @@ class KVHandle:
     # host:port decode workers dial.
     producer: str
     producer_epoch: int
+    # The id's chunk count (its total, once a commit or header fixed it), and the payload bytes
+    # committed when the handle was made.
     num_chunks: int
     nbytes: int
     # What a Fetch of it may use at that producer, best first.
@@ -45,13 +48,17 @@ class KVHandle:
 
     def __post_init__(self) -> None:
         try:
+            check_id(self.kv_request_id)
+        except ValueError as exc:
+            raise UsageError(f"KVHandle.kv_request_id: {exc}") from None
+        try:
             Address.parse(self.producer)
         except ValueError as exc:
             raise UsageError(f"KVHandle.producer: {exc}, got {self.producer!r}") from None
-        for name in ("producer_epoch", "num_chunks", "nbytes"):
+        for name, bits in (("producer_epoch", 64), ("num_chunks", 32), ("nbytes", 64)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UsageError(f"KVHandle.{name}: expected an int >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+                raise UsageError(f"KVHandle.{name}: expected 0..2**{bits}-1, got {value!r}")
         unknown = [t for t in self.transports if t not in TRANSPORT_NAMES.values()]
         if unknown:
             raise UsageError(f"KVHandle.transports: unknown {unknown}")
@@ -86,6 +93,8 @@ class KVHandle:
         host, port = data["remote_host"], data["remote_port"]
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             raise UsageError(f"KV handle: bad remote_host/remote_port {host!r}:{port!r}")
+        if host.startswith("[") and host.endswith("]"):  # an IPv6 host written as in a URL
+            host = host[1:-1]
         transports = data.get("transports", ["grpc"])
         if not isinstance(transports, list | tuple):
             raise UsageError(f"KV handle: transports must be a list, got {transports!r}")

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from kvpark.address import target_address
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 from kvpark.shm import PARK_ROLE
@@ -96,7 +97,8 @@ def _settings(
 
 def _outcome(core: ClientCore, kid: str, timeout: TimeoutArg) -> ParkOutcome:
     deadline_s = resolve(timeout, core.timeout).total_s
-    return ParkOutcome(kid, deadline_s, monotonic, producer=core.channel.target)
+    dialed = target_address(core.channel.target)
+    return ParkOutcome(kid, deadline_s, monotonic, producer=str(dialed) if dialed else "")
 
 
 # ===================================================================================== sync

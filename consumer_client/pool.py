@@ -17,6 +17,7 @@ never closed under its user.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +46,11 @@ def _what(handle: KVHandle, chunk_ids: Iterable[int] | None = None) -> dict[str,
     if chunk_ids is not None:
         return {"chunk_ids": chunk_ids, "expected_epoch": handle.producer_epoch}
     return {"num_chunks": handle.num_chunks or None, "expected_epoch": handle.producer_epoch}
+
+
+def _close_all(clients: list[KVConsumer]) -> None:
+    for client in clients:
+        client.close()
 
 
 @dataclass(slots=True)
@@ -127,13 +133,16 @@ class _Pool(Generic[C]):
         return clients
 
     def __len__(self) -> int:
-        return len(self._clients)
+        with self._lock:
+            return len(self._clients)
 
     def __contains__(self, address: object) -> bool:
-        return address in self._clients
+        with self._lock:
+            return address in self._clients
 
     def addresses(self) -> list[str]:
-        return list(self._clients)
+        with self._lock:
+            return list(self._clients)
 
 
 class ConsumerPool(_Pool[KVConsumer]):
@@ -155,8 +164,9 @@ class ConsumerPool(_Pool[KVConsumer]):
         self, address: str, *, pin: bool = False
     ) -> tuple[_Entry[KVConsumer], KVConsumer]:
         entry, closing = self._acquire(address, pin=pin)
-        for client in closing:
-            client.close()
+        if closing:
+            # Closing flushes confirmations (up to a few seconds): not on this load's path.
+            threading.Thread(target=_close_all, args=(closing,), daemon=True).start()
         return entry, entry.client
 
     def load(
@@ -252,13 +262,18 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
         **client_args: Any,
     ) -> None:
         super().__init__(AsyncKVConsumer, client_args, max_producers, idle_close_s, clock)
+        self._closing: set[asyncio.Task[None]] = set()
 
-    async def _checked_out(
+    def _checked_out(
         self, address: str, *, pin: bool = False
     ) -> tuple[_Entry[AsyncKVConsumer], AsyncKVConsumer]:
         entry, closing = self._acquire(address, pin=pin)
         for client in closing:
-            await client.aclose()
+            # Not awaited on this load's path (closing flushes confirmations), and nothing
+            # between the acquire and the caller's try/finally can be cancelled.
+            task = asyncio.get_running_loop().create_task(client.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return entry, entry.client
 
     async def load(
@@ -273,7 +288,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
     ) -> LoadResult:
         """As `ConsumerPool.load`."""
         h = KVHandle.coerce(handle)
-        entry, client = await self._checked_out(h.producer)
+        entry, client = self._checked_out(h.producer)
         try:
             return await client.load(
                 h.kv_request_id,
@@ -299,7 +314,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
     ) -> LoadReport[T]:
         """As `ConsumerPool.load_or_recompute`."""
         h = KVHandle.coerce(handle)
-        entry, client = await self._checked_out(h.producer)
+        entry, client = self._checked_out(h.producer)
         try:
             return await client.load_or_recompute(
                 h.kv_request_id,
@@ -316,7 +331,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
 
     async def client(self, address: str) -> AsyncKVConsumer:
         """As `ConsumerPool.client`."""
-        entry, client = await self._checked_out(address, pin=True)
+        entry, client = self._checked_out(address, pin=True)
         self._release(entry)
         return client
 
@@ -329,6 +344,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
     async def aclose(self) -> None:
         for client in self._take_all():
             await client.aclose()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def __aenter__(self) -> AsyncConsumerPool:
         return self

@@ -81,3 +81,20 @@ class Address:
         if self.is_wildcard or host == "":
             host = "::1" if ":" in host else "127.0.0.1"
         return Address(host, self.port if port is None else port)
+
+
+# gRPC target schemes that name a host and port (unix: and other resolvers do not).
+_TARGET_SCHEMES = ("dns:///", "dns:", "ipv4:", "ipv6:")
+
+
+def target_address(target: str) -> Address | None:
+    """The host:port a gRPC target dials ("dns:///h:1" and "h:1" alike), or None when it
+    names none (a Unix socket, a list of addresses, another resolver)."""
+    for scheme in _TARGET_SCHEMES:
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            break
+    try:
+        return Address.parse(target)
+    except ValueError:
+        return None

@@ -43,6 +43,7 @@ def test_handle_round_trips_through_dict_and_json_and_ignores_a_routers_own_keys
     assert KVHandle.coerce({**data, "router_hop": 3}) == handle
     ipv6 = KVHandle("r", "[::1]:7", 1, 1, 1)
     assert KVHandle.from_json(ipv6.to_json()) == ipv6
+    assert KVHandle.coerce({**ipv6.to_dict(), "remote_host": "[::1]"}) == ipv6
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,10 @@ def test_handle_round_trips_through_dict_and_json_and_ignores_a_routers_own_keys
         ({"num_chunks": True}, "num_chunks"),
         ({"transports": ["rdma"]}, "rdma"),
         ({"kv_request_id": None}, "kv_request_id"),
+        ({"kv_request_id": 42}, "kv_request_id"),
+        ({"kv_request_id": "bad\nid"}, "kv_request_id"),
+        ({"num_chunks": 2**32}, "num_chunks"),
+        ({"producer_epoch": 2**64}, "producer_epoch"),
     ],
 )
 def test_a_malformed_handle_is_a_usage_error_naming_the_key(change: dict, named: str) -> None:
@@ -86,6 +91,10 @@ async def test_a_parks_handle_names_the_advertised_producer_or_the_dialed_one() 
         assert on_nat.handle.transports == ("tcp", "grpc")
         assert on_nat.handle.producer_epoch == behind_nat.epoch
 
+        # A target with a gRPC scheme: the handle names the host:port it dials.
+        async with AsyncKVParker(f"dns:///{plain.target}") as parker:
+            schemed = await parker.park("s", [b"kv"])
+        assert schemed.ok and schemed.handle.producer == plain.target
         async with AsyncKVParker(plain.target) as parker:
             refused = await parker.park("r", [b"again"])  # the id is already committed
         assert not refused.ok
@@ -161,6 +170,26 @@ async def test_pool_closes_idle_clients_but_never_one_a_load_is_using() -> None:
             clock.advance(61)
             assert (await pool.load(on_b[1])).ok
             assert set(pool.addresses()) == {b.target}, "idle a was not closed"
+
+
+async def test_a_sync_pool_keeps_one_client_per_producer_within_its_bound() -> None:
+    async with running_producer() as a, running_producer() as b:
+        handles = []
+        for server in (a, b):
+            async with AsyncKVParker(server.target) as parker:
+                handles.append((await parker.park("x", [b"kv"])).handle)
+
+        def run() -> tuple[list[bool], list[str], KVConsumer]:
+            with ConsumerPool(max_producers=1) as pool:
+                first = pool.client(a.target)  # pinned: kept however full the pool is
+                pool.drop(a.target)
+                assert first.closed and a.target not in pool
+                ok = [pool.load(h).ok for h in handles]
+                evicted = pool.client(b.target)
+                return ok, pool.addresses(), evicted
+
+        ok, addresses, kept = await in_thread(run)
+        assert ok == [True, True] and addresses == [b.target] and kept.closed
 
 
 def test_pool_bounds_are_checked() -> None:
