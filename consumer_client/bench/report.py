@@ -17,10 +17,12 @@ from .sections import STREAMS, Row
 
 GB = 1e9
 NAMES = {"raw_tcp": "raw TCP loopback", "park": "park", "fetch": "fetch",
-         "fetch_concurrent": f"{STREAMS} fetches at once", "lookup": "unary Lookup",
+         "fetch_concurrent": f"{STREAMS} fetches at once",
+         "fetch_concurrent_probed": f"{STREAMS} at once, late fetches too",
+         "lookup": "unary Lookup",
          "late_fetch": "late fetch (RELEASED id)",
          "late_fetch_busy": f"late fetch during {STREAMS} fetches"}  # fmt: skip
-TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "fetch_concurrent")
+TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "fetch_concurrent", "fetch_concurrent_probed")
 LATENCY_KINDS = ("lookup", "late_fetch", "late_fetch_busy")
 
 
@@ -56,7 +58,7 @@ def document(meta: dict[str, Any], rows: Sequence[Row], nbytes: int) -> dict[str
         if row.kind in TRANSFER_KINDS and row.chunk_bytes in raw:
             transfer.append(_transfer(row, raw[row.chunk_bytes], nbytes))
             alone = single.get((row.transport, row.chunk_bytes))
-            if row.kind == "fetch_concurrent" and alone is not None:
+            if row.kind.startswith("fetch_concurrent") and alone is not None:
                 # Aggregate throughput over one load's: the same bytes, in one wall time each.
                 transfer[-1]["ratio_to_single"] = median(alone.seconds) / median(row.seconds)
         elif row.kind in LATENCY_KINDS:

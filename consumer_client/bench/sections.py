@@ -63,7 +63,8 @@ class Row:
     """One figure's samples: seconds per repetition (or try), and CPU seconds of this process
     and of the other end (None where it is not ours to read)."""
 
-    kind: str  # raw_tcp, park, fetch, fetch_concurrent, lookup, late_fetch, late_fetch_busy
+    # raw_tcp, park, fetch, fetch_concurrent(_probed), lookup, late_fetch, late_fetch_busy
+    kind: str
     transport: str | None
     chunk_bytes: int = 0
     seconds: list[float] = field(default_factory=list)
@@ -202,11 +203,14 @@ def _pieces(source: payload.U8, chunk: int) -> list[memoryview]:
 def concurrent(run: Run) -> None:
     """STREAMS loads at once, each of 1/STREAMS of a transfer, into their own slice of one
     destination, against the single load of the whole transfer measured before: the aggregate
-    seconds. Meanwhile another process sends late fetches (late_fetcher.py): what a turned-away
-    decode worker waits while the producer is busy. The loading threads run at a lower CPU
-    priority (nice +10) than that prober: on this one host they stand for decode workers on
-    other hosts, whose cores the producer does not share, so the late fetch measures the
-    producer's answer rather than a fight for this host's cores."""
+    seconds. Each repetition runs the loads twice. Once alone: the throughput figure, measured
+    as the single load was, with nothing else running. Once while another process sends late
+    fetches back to back (late_fetcher.py): what a turned-away decode worker waits while the
+    producer is busy; that prober is a closed loop that takes a share of the two cores of its
+    own, so the aggregate measured with it is reported too but is not the throughput figure.
+    The loading threads run at a lower CPU priority (nice +10) than the prober: on this one
+    host they stand for decode workers on other hosts, whose cores the producer does not
+    share, so the late fetch measures the producer's answer rather than a fight for cores."""
     p = run.plan
     chunk = p.chunks[0]
     part = p.size // STREAMS // chunk * chunk  # whole chunks per stream, the rest to the last
@@ -214,38 +218,53 @@ def concurrent(run: Run) -> None:
         run.progress(f"concurrent loads: left out, --size is under {STREAMS} chunks")
         return
     source = payload.pattern(p.size)
+    spans = [(i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)]
     for transport in p.transports:
-        parker, consumer = run.clients[transport]
         prober = Prober(run.target, _released(run, transport, "busy-late"), run.prober_args)
-        load_row = Row("fetch_concurrent", transport, chunk)
+        alone = Row("fetch_concurrent", transport, chunk)
+        probed = Row("fetch_concurrent_probed", transport, chunk)
         late_row = Row("late_fetch_busy", transport)
-        run.rows += [load_row, late_row]
+        run.rows += [alone, probed, late_row]
         staged, dest = run.buffers(transport, source, np.empty(p.size, dtype=np.uint8))
-        for rep in range(p.reps):
-            run.progress(f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}")
-            kids = [f"{run.tag}-{transport}-c{rep}-{i}" for i in range(STREAMS)]
-            spans = [
-                (i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)
-            ]
-            for kid, (start, end) in zip(kids, spans, strict=True):
-                parked = parker.park(kid, _pieces(staged[start:end], chunk),
-                                     timeout=p.call_timeout_s)  # fmt: skip
-                if not parked.ok:
-                    raise Check(f"park of {kid!r} answered {parked}")
-            dest.fill(0)
-            prober.go()
-            try:
-                results = run.timed(load_row, partial(_load_all, run, transport, kids, spans, dest))
-            finally:
-                for seconds in prober.stop():
-                    late_row.add(seconds, 0.0, None)
-            for kid, result in zip(kids, results, strict=True):
-                if not result.ok or result.transport != transport:
-                    raise Check(f"concurrent load of {kid!r} answered {result}")
-            run.compare(dest, source, f"{STREAMS} concurrent loads, {transport}")
-            for result in results:
-                consumer.confirm(result)
-        prober.close()
+        try:
+            for rep in range(p.reps):
+                what = f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}"
+                run.progress(what)
+                _concurrent_loads(run, transport, f"c{rep}", spans, staged, dest, alone)
+                run.progress(f"{what}, with late fetches")
+                prober.go()
+                try:
+                    _concurrent_loads(run, transport, f"p{rep}", spans, staged, dest, probed)
+                finally:
+                    for seconds in prober.stop():
+                        late_row.add(seconds, 0.0, None)
+        finally:
+            prober.close()
+
+
+def _concurrent_loads(
+    run: Run, transport: str, tag: str, spans: list[tuple[int, int]], staged: payload.U8,
+    dest: payload.U8, row: Row,
+) -> None:  # fmt: skip
+    """Parks STREAMS ids (untimed), loads them all at once (timed into `row`), checks every
+    byte and confirms the deliveries."""
+    parker, consumer = run.clients[transport]
+    chunk = run.plan.chunks[0]
+    kids = [f"{run.tag}-{transport}-{tag}-{i}" for i in range(STREAMS)]
+    for kid, (start, end) in zip(kids, spans, strict=True):
+        parked = parker.park(
+            kid, _pieces(staged[start:end], chunk), timeout=run.plan.call_timeout_s
+        )
+        if not parked.ok:
+            raise Check(f"park of {kid!r} answered {parked}")
+    dest.fill(0)
+    results = run.timed(row, partial(_load_all, run, transport, kids, spans, dest))
+    for kid, result in zip(kids, results, strict=True):
+        if not result.ok or result.transport != transport:
+            raise Check(f"concurrent load of {kid!r} answered {result}")
+    run.compare(dest, staged[: len(dest)], f"{STREAMS} concurrent loads, {transport}")
+    for result in results:
+        consumer.confirm(result)
 
 
 def _load_all(

@@ -42,18 +42,24 @@ def check_document(
     # raw TCP and each transport's fetch of every repetition, the concurrent loads, and the
     # warm-up's 4 KiB per transport: all compared byte for byte
     verified = size * reps * len(chunks) * (1 + len(transports)) + 4096 * len(transports)
-    assert doc["verified_bytes"] == verified + concurrent * size * reps * len(transports)
+    # the concurrent loads run twice per repetition: alone, and with late fetches
+    assert doc["verified_bytes"] == verified + 2 * concurrent * size * reps * len(transports)
     rows = {(r["kind"], r["transport"], r["chunk_bytes"]): r for r in doc["transfer"]}
     expected = {("raw_tcp", None, c) for c in chunks}
     expected |= {("park", t, c) for t in transports if t != "tcp" for c in chunks}
     expected |= {("fetch", t, c) for t in transports for c in chunks}
-    expected |= {("fetch_concurrent", t, chunks[0]) for t in transports if concurrent}
+    expected |= {
+        (kind, t, chunks[0])
+        for kind in ("fetch_concurrent", "fetch_concurrent_probed")
+        for t in transports
+        if concurrent
+    }
     assert rows.keys() == expected
     for row in rows.values():
         assert len(row["seconds"]) == reps and row["gbps"] > 0, row
         assert 0 < row["ratio_to_raw_tcp"] < math.inf, row
         assert row["cpu_s_per_gb"]["this"] > 0, row
-        if row["kind"] == "fetch_concurrent":
+        if row["kind"].startswith("fetch_concurrent"):
             assert 0 < row["ratio_to_single"] < math.inf, row
     latency = {(r["kind"], r["transport"]): r for r in doc["latency"]}
     busy = {("late_fetch_busy", t) for t in transports if concurrent}
