@@ -138,9 +138,12 @@ def batch_frames(
         group: list[tuple[PreparedChunk, int]] = []
         group_bytes = 0
         for chunk, offset in zip(chunks, plan.offsets, strict=True):
+            if group and group_bytes + chunk.nbytes > REFS_MESSAGE_BYTES:
+                yield frames.chunk_refs(group)
+                group, group_bytes = [], 0
             group.append((chunk, offset))
             group_bytes += chunk.nbytes
-            if len(group) == REFS_PER_MESSAGE or group_bytes >= REFS_MESSAGE_BYTES:
+            if len(group) == REFS_PER_MESSAGE:
                 yield frames.chunk_refs(group)
                 group, group_bytes = [], 0
         if group:

@@ -209,3 +209,26 @@ def test_misuse_is_refused_before_anything_is_sent() -> None:
             parker.park("x", [b"a"], total_chunks=0)
         with pytest.raises(UsageError):
             parker.park("bad\nid", [b"a"])
+
+
+def test_chunk_refs_go_in_messages_of_at_most_64_chunks_and_16_mib() -> None:
+    """Park by reference groups its ChunkRefs as docs/protocol.md says: a group is flushed
+    before a chunk would take it past 16 MiB, and after 64 chunks."""
+    from kvpark.client._park import (
+        REFS_MESSAGE_BYTES,
+        ParkFrames,
+        ShmPlan,
+        batch_frames,
+        prepare_all,
+    )
+
+    big, small = np.zeros(12 * MiB, np.uint8), np.zeros(4096, np.uint8)
+    chunks = prepare_all([big, big, big] + [small] * 100)
+    plan = ShmPlan("lend", [0] * len(chunks), staged=False)
+    frames = ParkFrames("k", 0, 0, "lend")
+    messages = list(batch_frames(frames, chunks, plan))[1:-1]
+    groups = [pb.ParkRequest.FromString(m).chunk_refs.refs for m in messages]
+    assert [len(g) for g in groups] == [1, 1, 64, 37]
+    assert all(sum(r.nbytes for r in g) <= REFS_MESSAGE_BYTES for g in groups)
+    assert [r.chunk_id for g in groups for r in g] == list(range(103))
+    assert (frames.chunks, frames.nbytes) == (103, 3 * 12 * MiB + 100 * 4096)
