@@ -77,6 +77,13 @@ def test_readers_that_never_drain_lose_their_ids_and_hold_bounded_memory(
         with grpc.insecure_channel(producer.target, options=options) as channel:
             stub = pb_grpc.KVProducerStub(channel)
             stalled = [stub.Fetch(pb.FetchRequest(kv_request_id=f"z{i}")) for i in range(streams)]
+            ids = [f"z{i}" for i in range(streams)]
+            # Bound first: before its Fetch binds, an id is PARKED with its first lease.
+            wait_for(
+                lambda: all(s.state == "BOUND" for s in honest.lookup(ids)),
+                timeout=10,
+                what="every stalled Fetch bound",
+            )
             wait_for(
                 lambda: all(
                     s.state == "PARKED" for s in honest.lookup([f"z{i}" for i in range(16)])
