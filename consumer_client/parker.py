@@ -77,21 +77,35 @@ _BATCH_QUEUE_FRAMES = 2
 _END = object()
 
 
-def _settings(
+def _park_core(
     target: str,
+    timeout: Timeout | float | None,
     token: str | None,
     credentials: grpc.ChannelCredentials | None,
     channel_options: Sequence[tuple[str, Any]],
     interceptors: Sequence[Any],
     max_chunk_bytes: int,
-) -> ChannelSettings:
-    return ChannelSettings.build(
+    transport: Transport,
+    shm_socket: str | None,
+) -> ClientCore:
+    """What a sync or async parker knows and decides (its arguments checked)."""
+    settings = ChannelSettings.build(
         target,
         token=token,
         credentials=credentials,
         channel_options=channel_options,
         interceptors=interceptors,
         max_chunk_bytes=max_chunk_bytes,
+    )
+    if transport == "tcp":
+        raise UsageError("transport: Park goes over the gRPC stream or shared memory")
+    return ClientCore(
+        settings,
+        timeout=timeout,
+        confirm=False,
+        transport=transport,
+        shm_socket=shm_socket,
+        role=PARK_ROLE,
     )
 
 
@@ -121,19 +135,10 @@ class KVParker(ClientBase):
         transport: Transport = "auto",
         shm_socket: str | None = None,
     ) -> None:
-        settings = _settings(
-            target, token, credentials, channel_options, interceptors, max_chunk_bytes
-        )
-        if transport == "tcp":
-            raise UsageError("transport: Park goes over the gRPC stream or shared memory")
-        self._core = ClientCore(
-            settings,
-            timeout=timeout,
-            confirm=False,
-            transport=transport,
-            shm_socket=shm_socket,
-            role=PARK_ROLE,
-        )
+        self._core = _park_core(
+            target, timeout, token, credentials, channel_options, interceptors,
+            max_chunk_bytes, transport, shm_socket,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
@@ -375,19 +380,10 @@ class AsyncKVParker(ClientBase):
         transport: Transport = "auto",
         shm_socket: str | None = None,
     ) -> None:
-        settings = _settings(
-            target, token, credentials, channel_options, interceptors, max_chunk_bytes
-        )
-        if transport == "tcp":
-            raise UsageError("transport: Park goes over the gRPC stream or shared memory")
-        self._core = ClientCore(
-            settings,
-            timeout=timeout,
-            confirm=False,
-            transport=transport,
-            shm_socket=shm_socket,
-            role=PARK_ROLE,
-        )
+        self._core = _park_core(
+            target, timeout, token, credentials, channel_options, interceptors,
+            max_chunk_bytes, transport, shm_socket,
+        )  # fmt: skip
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._park: Any = None
