@@ -9,8 +9,8 @@ broken TLS handshake — is closed with nothing sent. A ticket also dies with it
 
 Connections are accepted on a thread of their own and each handshake (TLS, then the ticket)
 runs on a short-lived thread, bounded in number, so a slow or hostile peer never holds up the
-event loop or the next consumer. The socket handed to the Fetch is blocking, with the stall
-bound as its timeout: the Fetch writes to it from worker threads.
+event loop or the next consumer. The Fetch writes to the socket it is handed from worker
+threads (producer_service/transports.py).
 """
 
 from __future__ import annotations

@@ -64,10 +64,11 @@ async def wait(job: Future[T], *, interrupt: Callable[[], None] | None = None) -
     waiting until the thread is done, after `interrupt()` (which should make it finish soon,
     e.g. shut its socket down), and only then re-raises the cancel: nothing the job uses is
     freed, unmapped or closed under it."""
+    outcome = asyncio.wrap_future(job)
     cancelled = False
-    while not job.done():
+    while not outcome.done():
         try:
-            await asyncio.shield(asyncio.wrap_future(job))
+            await asyncio.shield(outcome)
         except asyncio.CancelledError:
             if not cancelled and interrupt is not None:
                 interrupt()
@@ -75,9 +76,6 @@ async def wait(job: Future[T], *, interrupt: Callable[[], None] | None = None) -
         except Exception:
             break  # the job failed: its result below raises that
     if cancelled:
+        outcome.exception()  # the cancel wins; a failure the interrupt caused is expected
         raise asyncio.CancelledError
-    return job.result()
-
-    def close(self) -> None:
-        """No more work; threads still running finish what they were given."""
-        self._pool.shutdown(wait=False)
+    return outcome.result()

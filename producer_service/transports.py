@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpark import wire
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.tcp_frames import send_frame
+from kvpark.tcp_frames import FrameWriter
 
 from .data_threads import DataThreads
 from .lot import ReadyChunk
@@ -33,6 +33,10 @@ from .lot import ReadyChunk
 # Bytes handed to one worker-thread call: large enough that the hop (~50 µs) is noise, small
 # enough that a cancel or a stall is noticed between batches.
 BATCH_BYTES = 16 * 1024 * 1024
+# How long a TCP write waits for room on a full socket before it gives its thread back: well
+# above the pauses of a consumer that reads (so a transfer rarely leaves its thread), well
+# below anything another transfer would notice waiting for a thread.
+WRITE_PAUSE_S = 0.02
 
 
 class Stalled(Exception):
@@ -76,30 +80,60 @@ class GrpcStream:
 
 
 class TcpStream:
-    """Frames on the consumer's data connection, written from a worker thread."""
+    """Frames on the consumer's data connection, written from a worker thread.
+
+    A thread writes only while the consumer makes room: once the socket has been full for
+    WRITE_PAUSE_S, the thread gives up its turn and the event loop waits for the socket to
+    take bytes again (or for the stall bound), then hands the rest of the batch to a thread
+    again. So consumers that stop reading, however many, never hold the data threads that
+    other fetches and shm parks need; a consumer that reads keeps a thread as long as it does.
+    """
 
     transport = pb.TRANSPORT_TCP
 
     def __init__(self, sock: socket.socket, stall_s: float, threads: DataThreads) -> None:
-        sock.settimeout(stall_s)  # a send that makes no progress this long is a stall
+        sock.settimeout(WRITE_PAUSE_S)
         self._sock = sock
+        self._stall_s = stall_s
         self._threads = threads
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+        writer = FrameWriter((c.chunk_id, c.crc32c, c.views) for c in chunks)
+        loop = asyncio.get_running_loop()
+        progress_at, sent = loop.time(), 0
+        while not await self._threads.run(writer.write, self._sock, interrupt=self._interrupt):
+            if writer.sent_bytes > sent:
+                progress_at, sent = loop.time(), writer.sent_bytes
+            # The stall bound counts from the last byte the consumer took, not per attempt.
+            left_s = progress_at + self._stall_s - loop.time()
+            if left_s <= 0 or not await self._writable(loop, left_s):
+                raise Stalled
+
+    async def _writable(self, loop: asyncio.AbstractEventLoop, within_s: float) -> bool:
+        """Whether the socket takes bytes again within `within_s` (waited on the event loop,
+        no thread held)."""
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        fd = self._sock.fileno()
+        loop.add_writer(fd, wake)
         try:
-            await self._threads.run(self._write, chunks, interrupt=self._interrupt)
-        except TimeoutError as exc:
-            raise Stalled from exc
+            async with asyncio.timeout(within_s):
+                await ready
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_writer(fd)
 
     def _interrupt(self) -> None:
-        """The Fetch was cancelled mid-write: a send blocked on a consumer that reads nothing
-        fails at once instead of at the stall timeout, so the cancel is not held up."""
+        """The Fetch was cancelled mid-write: a send blocked on a full socket fails at once
+        instead of at the end of its pause, and the consumer sees the connection end."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-
-    def _write(self, chunks: Sequence[ReadyChunk]) -> None:
-        for step in chunks:
-            send_frame(self._sock, step.chunk_id, step.crc32c, step.views)
 
     def close(self) -> None:
         self._sock.close()

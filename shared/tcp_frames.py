@@ -8,11 +8,11 @@ stream) from a transfer that ended (the call's TransferDone says how):
 
     frame = chunk_id u32 | crc32c u32 | nbytes u64   (16 bytes, little-endian) | payload
 
-The producer writes each frame with one `sendmsg` of the header and the pool's own memoryviews
+The producer writes each frame with `sendmsg` of the header and the pool's own memoryviews
 (the kernel copies them into the socket; nothing is copied in user space), and the consumer
 reads the payload with `recv_into` straight into the place its destination gives for that
 chunk. Both calls release the GIL, so they run on worker threads beside the event loop. Over
-TLS, `sendmsg` is not available and each view goes through `sendall` instead.
+TLS, `sendmsg` is not available and each view goes through `send` instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 TICKET_BYTES = 32
 ACCEPTED = b"\x01"
@@ -38,27 +38,57 @@ def header(chunk_id: int, crc32c: int, nbytes: int) -> bytes:
     return _HEADER.pack(chunk_id, crc32c, nbytes)
 
 
-def send_frame(
-    sock: socket.socket, chunk_id: int, crc32c: int, views: Sequence[memoryview]
-) -> None:
-    """Writes one frame: its header and the payload views, without copying them."""
+class FrameWriter:
+    """Writes a sequence of frames to a socket that has a (short) timeout, resumably: `write`
+    sends until every frame is out, or until the socket has had no room for its timeout; then
+    it returns False, and a later `write` goes on exactly where this one stopped. So a writer
+    whose consumer stops reading gives its thread back instead of blocking it.
+
+    A timed-out call sent nothing (the socket first waits for room, then sends what fits),
+    so the position stays exact. Over TLS, where sendmsg is not available, each view goes
+    through `send`; a timed-out TLS write is retried with the very same view, as OpenSSL
+    requires."""
+
+    def __init__(self, frames: Iterable[tuple[int, int, Sequence[memoryview]]]) -> None:
+        self._frames = iter(frames)
+        self._buffers: list[memoryview] = []  # what is left of the frame being written
+        self.sent_bytes = 0
+
+    def write(self, sock: socket.socket) -> bool:
+        """True once every frame is written; False when the socket had no room for its
+        timeout. Other socket errors (the consumer went away) propagate."""
+        tls = isinstance(sock, ssl.SSLSocket)
+        while True:
+            if not self._buffers:
+                frame = next(self._frames, None)
+                if frame is None:
+                    return True
+                self._buffers = _frame_buffers(*frame)
+            try:
+                sent = (
+                    sock.send(self._buffers[0]) if tls else sock.sendmsg(self._buffers[:_IOV_MAX])
+                )
+            except TimeoutError:
+                return False
+            self.sent_bytes += sent
+            _consume(self._buffers, sent)
+
+
+def _frame_buffers(chunk_id: int, crc32c: int, views: Sequence[memoryview]) -> list[memoryview]:
     nbytes = sum(len(v) for v in views)
-    buffers: list[memoryview] = [memoryview(header(chunk_id, crc32c, nbytes)), *views]
-    if isinstance(sock, ssl.SSLSocket):
-        for buffer in buffers:
-            sock.sendall(buffer)
-        return
-    while buffers:
-        sent = sock.sendmsg(buffers[:_IOV_MAX])
-        # A blocking sendmsg may stop short (a timeout, a signal): resume where it stopped.
-        while sent and buffers:
-            first = buffers[0]
-            if sent >= len(first):
-                sent -= len(first)
-                buffers.pop(0)
-            else:
-                buffers[0] = first[sent:]
-                sent = 0
+    return [memoryview(header(chunk_id, crc32c, nbytes)), *views]
+
+
+def _consume(buffers: list[memoryview], sent: int) -> None:
+    """Drops the first `sent` bytes from `buffers` (a send may stop anywhere)."""
+    while sent and buffers:
+        first = buffers[0]
+        if sent >= len(first):
+            sent -= len(first)
+            buffers.pop(0)
+        else:
+            buffers[0] = first[sent:]
+            sent = 0
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:

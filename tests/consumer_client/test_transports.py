@@ -31,7 +31,7 @@ from kvpark import BufferTooSmallError, KVConsumer, KVParker, Reason, wire
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
-from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES
+from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_header, recv_payload
 
 CHUNK = MiB
 SETTINGS: dict[str, Any] = {
@@ -229,6 +229,95 @@ def test_a_producer_killed_mid_transfer_ends_the_load_within_two_seconds(
     assert report.reason in (Reason.UNAVAILABLE, Reason.CANCELLED), report.result
     assert report.result.chunks_loaded == 2 and recomputed == [2]
     assert elapsed < 2.0, f"noticed {elapsed:.2f}s after the kill"
+
+
+# ============================================================================= head of line
+def _connect_and_read_nothing(port: int, ticket: bytes) -> socket.socket:
+    """A data connection whose consumer presents its ticket and then reads nothing: its small
+    receive window fills after a few frames, and the producer's writes to it stop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: sets the window
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(ticket)
+    assert sock.recv(1) == ACCEPTED
+    assert sock.recv(1, socket.MSG_PEEK)  # frames flow: a write to it has started
+    return sock
+
+
+def _read_frames(sock: socket.socket) -> list[tuple[int, int, bytes]]:
+    """Every frame up to the producer's close, as (chunk_id, crc32c, payload)."""
+    frames = []
+    while (header := recv_header(sock)) is not None:
+        chunk_id, crc32c, nbytes = header
+        payload = bytearray(nbytes)
+        recv_payload(sock, [memoryview(payload)], nbytes)
+        frames.append((chunk_id, crc32c, bytes(payload)))
+    return frames
+
+
+async def test_consumers_that_stop_reading_hold_up_no_other_transfer(shm_socket: str) -> None:
+    """More stalled TCP consumers than data threads: while their fetches wait on them (up to
+    fetch_stall_timeout_s), another TCP fetch and an shm park run at once, well inside a load
+    timeout far shorter than the stall bound. The stalled fetches keep their ids meanwhile."""
+    from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+
+    settings = {**SETTINGS, "fetch_stall_timeout_s": 120.0, "data_threads": 2}
+    async with running_producer(**settings, shm_socket=shm_socket) as server:
+        big = chunks(24, seed=21)
+        honest = chunks(4, seed=22)
+
+        def park_all() -> None:
+            with KVParker(server.target, transport="grpc") as parker:
+                for kid in ("slow-0", "slow-1", "slow-2"):
+                    assert parker.park(kid, big).ok
+                assert parker.park("honest", honest).ok
+
+        await in_thread(park_all)
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.KVProducerStub(channel)
+            calls, socks = [], []
+            for kid in ("slow-0", "slow-1", "slow-2"):
+                request = pb.FetchRequest(kv_request_id=kid, accept_transports=[pb.TRANSPORT_TCP])
+                calls.append(stub.Fetch(request))
+                offer = (await calls[-1].read()).data_offer
+                socks.append(
+                    await in_thread(_connect_and_read_nothing, server.data_port, offer.ticket)
+                )
+
+            def meanwhile() -> tuple[Any, Any, bytes]:
+                with (
+                    KVConsumer(server.target, transport="tcp", timeout=10) as consumer,
+                    KVParker(server.target, transport="shm", shm_socket=shm_socket) as parker,
+                ):
+                    into = np.zeros(4 * CHUNK, np.uint8)
+                    loaded = consumer.load("honest", num_chunks=4, into=into)
+                    kv = parker.shared_buffer(4 * CHUNK)
+                    kv[:] = np.frombuffer(joined(honest), np.uint8)
+                    parked = parker.park(
+                        "parked-meanwhile",
+                        [kv[i * CHUNK : (i + 1) * CHUNK] for i in range(4)],
+                        timeout=10,
+                    )
+                    return loaded, parked, into.tobytes()
+
+            loaded, parked, landed = await in_thread(meanwhile)
+            assert loaded.ok and loaded.transport == "tcp", loaded
+            assert landed == joined(honest)
+            assert parked.ok and parked.transport == "shm", parked
+            assert server.lot.bound_count == 3  # the stalled fetches still hold their ids
+            # One stalled consumer reads again: its transfer resumes where its writes paused,
+            # every frame whole and in order, and the call ends OK.
+            assert await in_thread(_read_frames, socks[0]) == [
+                (i, crc32c_of(c), c.tobytes()) for i, c in enumerate(big)
+            ]
+            assert (await calls[0].read()).done.status == pb.STATUS_OK
+            for call, sock in zip(calls[1:], socks[1:], strict=True):
+                call.cancel()
+                sock.close()
+            await wait_until(lambda: server.lot.bound_count == 0, what="stalled fetches ended")
+            socks[0].close()
+        server.lot.check_invariants()
 
 
 # ==================================================================================== tickets

@@ -1,0 +1,94 @@
+"""The TCP data connection's frame writer against real sockets: when the reader stops, `write`
+gives up after the socket's timeout instead of blocking, and a later `write` resumes exactly
+where it stopped, plain and over TLS (where a timed-out write must be retried with the same
+bytes)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tls_certs import make_certs
+
+from kvpark.tcp_frames import FrameWriter, recv_header, recv_payload
+
+CHUNKS = 6
+CHUNK_BYTES = 1 << 20
+
+
+def frames() -> list[tuple[int, int, list[memoryview]]]:
+    """Frames of 1 MiB, each payload in two views (the pool's extents)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for chunk_id in range(CHUNKS):
+        data = memoryview(rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8).tobytes())
+        out.append((chunk_id, chunk_id * 11, [data[:1000], data[1000:]]))
+    return out
+
+
+def read_all(sock: socket.socket) -> list[tuple[int, int, bytes]]:
+    got = []
+    while (header := recv_header(sock)) is not None:
+        chunk_id, crc32c, nbytes = header
+        payload = bytearray(nbytes)
+        recv_payload(sock, [memoryview(payload)], nbytes)
+        got.append((chunk_id, crc32c, bytes(payload)))
+    return got
+
+
+@pytest.fixture(params=["plain", "tls"])
+def connection(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """(writer side, reader side) of a loopback connection with small buffers, so a few
+    frames fill it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect(listener.getsockname())
+    writer, _ = listener.accept()
+    listener.close()
+    writer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    if request.param == "tls":
+        certs = make_certs(tmp_path)
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(certs.server_cert, certs.server_key)
+        client = ssl.create_default_context(cafile=str(certs.ca))
+        with ThreadPoolExecutor(1) as pool:  # both ends of the handshake at once
+            wrapped = pool.submit(server.wrap_socket, writer, server_side=True)
+            reader = client.wrap_socket(reader, server_hostname="localhost")
+            writer = wrapped.result(timeout=10)
+    yield writer, reader
+    writer.close()
+    reader.close()
+
+
+def test_a_write_to_a_reader_that_stops_pauses_and_resumes_where_it_stopped(
+    connection: tuple[socket.socket, socket.socket],
+) -> None:
+    writer_sock, reader_sock = connection
+    writer_sock.settimeout(0.01)
+    sent = frames()
+    writer = FrameWriter(sent)
+
+    assert writer.write(writer_sock) is False  # nobody reads: the socket filled, no block
+    paused_at = writer.sent_bytes
+    assert 0 < paused_at < CHUNKS * CHUNK_BYTES
+    assert writer.write(writer_sock) is False and writer.sent_bytes == paused_at
+
+    received: list[tuple[int, int, bytes]] = []
+    reading = threading.Thread(target=lambda: received.extend(read_all(reader_sock)))
+    reading.start()
+    while not writer.write(writer_sock):  # each call goes on from the last
+        pass
+    writer_sock.close()  # the end of the frames, as the producer closes after the last
+    reading.join(30)
+    assert not reading.is_alive()
+    assert received == [(cid, crc, b"".join(views)) for cid, crc, views in sent]
+    assert writer.sent_bytes == CHUNKS * (16 + CHUNK_BYTES)
