@@ -18,10 +18,11 @@ skipped. What protobuf would accept but we refuse with `WireError` (the producer
 INVALID_ARGUMENT): a known field with another wire type than its declared one, groups, and
 field numbers outside protobuf's range. A property test holds the two readings together.
 
-Field numbers (protos/kvpark/v1/kvpark.proto):
+Field numbers (protos/kvpark/v1/kvpark.proto) written by hand here:
   Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
-  FetchResponse { chunk = 1; done = 2; data_offer = 3; placed = 4 }
-  ParkRequest   { header = 1; chunk = 2; commit = 3; chunk_refs = 4 }
+  FetchResponse { chunk = 1; ... }
+  ParkRequest   { header = 1; chunk = 2; ... }
+The other members of the two oneofs are read by the numbers the generated descriptors give.
 """
 
 from __future__ import annotations
@@ -226,6 +227,13 @@ def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
     return message
 
 
+def _oneof_members(message: Any) -> dict[int, str]:
+    """Field number -> name of each member of the message's `kind` oneof."""
+    return {f.number: f.name for f in message.DESCRIPTOR.oneofs_by_name["kind"].fields}
+
+
+_PARK_MEMBERS = _oneof_members(pb.ParkRequest)
+_FETCH_MEMBERS = _oneof_members(pb.FetchResponse)
 # The small oneof members, parsed by the generated classes.
 _PARK_MESSAGES: dict[str, Any] = {
     "header": pb.ParkHeader,
@@ -244,7 +252,7 @@ FetchMessage = ChunkView | pb.TransferDone | pb.DataOffer | pb.ChunksPlaced
 def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
     """A ParkRequest as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, {1: "header", 2: "chunk", 3: "commit", 4: "chunk_refs"})
+    name, bodies = _oneof(buf, _PARK_MEMBERS)
     if name == "chunk":
         return parse_chunk(*bodies)
     if name:
@@ -256,7 +264,7 @@ def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
 def parse_fetch_response(buf: bytes | memoryview) -> FetchMessage | None:
     """A FetchResponse as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, {1: "chunk", 2: "done", 3: "data_offer", 4: "placed"})
+    name, bodies = _oneof(buf, _FETCH_MEMBERS)
     if name == "chunk":
         return parse_chunk(*bodies)
     if name:

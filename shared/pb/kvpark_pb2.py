@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpark/v1/kvpark.proto\x12\tkvpark.v1\"G\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x13\n\x06\x63rc32c\x18\x02 \x01(\x07H\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x42\t\n\x07_crc32c\"c\n\nParkHeader\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61tch_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshm_lend_id\x18\x04 \x01(\t\"\\\n\x08\x43hunkRef\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x13\n\x06\x63rc32c\x18\x02 \x01(\x07H\x00\x88\x01\x01\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x42\t\n\x07_crc32c\".\n\tChunkRefs\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.kvpark.v1.ChunkRef\"+\n\nParkCommit\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\xb6\x01\n\x0bParkRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvpark.v1.ParkHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvpark.v1.ChunkH\x00\x12\'\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x15.kvpark.v1.ParkCommitH\x00\x12*\n\nchunk_refs\x18\x04 \x01(\x0b\x32\x14.kvpark.v1.ChunkRefsH\x00\x42\x06\n\x04kind\"\xbd\x02\n\x0cParkResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rchunks_parked\x18\x04 \x01(\r\x12\x16\n\x0eproducer_epoch\x18\x05 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x06 \x01(\x01\x12\x15\n\rretry_after_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x62ytes_parked\x18\x08 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\t \x01(\r\x12\x19\n\x11\x61\x64vertise_address\x18\n \x01(\t\x12(\n\ntransports\x18\x0b \x03(\x0e\x32\x14.kvpark.v1.Transport\"\xd6\x01\n\x0c\x46\x65tchRequest\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x11\n\tchunk_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x65xpected_epoch\x18\x03 \x01(\x04\x12\x16\n\x0ewait_timeout_s\x18\x04 \x01(\x01\x12/\n\x11\x61\x63\x63\x65pt_transports\x18\x05 \x03(\x0e\x32\x14.kvpark.v1.Transport\x12\x13\n\x0bshm_lend_id\x18\x06 \x01(\t\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x12\n\nshm_length\x18\x08 \x01(\x04\"\xba\x01\n\rFetchResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.kvpark.v1.ChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvpark.v1.TransferDoneH\x00\x12*\n\ndata_offer\x18\x03 \x01(\x0b\x32\x14.kvpark.v1.DataOfferH\x00\x12)\n\x06placed\x18\x04 \x01(\x0b\x32\x17.kvpark.v1.ChunksPlacedH\x00\x42\x06\n\x04kind\"b\n\tDataOffer\x12\'\n\ttransport\x18\x01 \x01(\x0e\x32\x14.kvpark.v1.Transport\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x0b\n\x03tls\x18\x04 \x01(\x08\"O\n\x0b\x43hunkPlaced\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\x07\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"6\n\x0c\x43hunksPlaced\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.kvpark.v1.ChunkPlaced\"\xea\x01\n\x0cTransferDone\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\x06\x12\x16\n\x0eproducer_epoch\x18\x07 \x01(\x04\x12\'\n\ttransport\x18\x08 \x01(\x0e\x32\x14.kvpark.v1.Transport\"<\n\x10KeepAliveRequest\x12\x16\n\x0ekv_request_ids\x18\x01 \x03(\t\x12\x10\n\x08\x65xtend_s\x18\x02 \x01(\x01\"7\n\x11KeepAliveResponse\x12\"\n\x06states\x18\x01 \x03(\x0b\x32\x12.kvpark.v1.IdState\"<\n\x0eReleaseRequest\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\x06\"n\n\x0fReleaseResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\'\n\rLookupRequest\x12\x16\n\x0ekv_request_ids\x18\x01 \x03(\t\"4\n\x0eLookupResponse\x12\"\n\x06states\x18\x01 \x03(\x0b\x32\x12.kvpark.v1.IdState\"\xd1\x01\n\x07IdState\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.kvpark.v1.State\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x15\n\rchunks_parked\x18\x04 \x01(\r\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x19\n\x11lease_remaining_s\x18\x08 \x01(\x01\"\x16\n\x14GetServerInfoRequest\"\xfa\x03\n\nServerInfo\x12\x16\n\x0eproducer_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fpool_free_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x04\x12\x1f\n\x17unbound_store_timeout_s\x18\x06 \x01(\x01\x12\x1d\n\x15tombstone_retention_s\x18\x07 \x01(\x01\x12\x1f\n\x17\x63onsumer_load_timeout_s\x18\x08 \x01(\x01\x12\x13\n\x0bmax_lease_s\x18\t \x01(\x01\x12\x18\n\x10max_fetch_wait_s\x18\n \x01(\x01\x12\x1b\n\x13park_idle_timeout_s\x18\x0b \x01(\x01\x12\x18\n\x10\x64\x65livery_grace_s\x18\x0c \x01(\x01\x12\x1d\n\x15\x66\x65tch_stall_timeout_s\x18\r \x01(\x01\x12\x17\n\x0fmax_batch_bytes\x18\x0e \x01(\x04\x12\x19\n\x11\x61\x64vertise_address\x18\x0f \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x10 \x01(\t\x12\x10\n\x08\x64\x61ta_tls\x18\x11 \x01(\x08\x12\x12\n\nshm_socket\x18\x12 \x01(\t\x12\'\n\x05stats\x18\x13 \x01(\x0b\x32\x18.kvpark.v1.ProducerStats\"\xec\x02\n\rProducerStats\x12\x12\n\nparked_ids\x18\x01 \x01(\x04\x12\x11\n\tbound_ids\x18\x02 \x01(\x04\x12\x15\n\rdelivered_ids\x18\x03 \x01(\x04\x12\x12\n\ntombstones\x18\x04 \x01(\x04\x12\x19\n\x11open_park_batches\x18\x05 \x01(\x04\x12\x13\n\x0bparks_total\x18\x06 \x01(\x04\x12\x15\n\rfetches_total\x18\x07 \x01(\x04\x12\x14\n\x0creaped_total\x18\x08 \x01(\x04\x12#\n\x1blate_fetch_rejections_total\x18\t \x01(\x04\x12\"\n\x1alate_park_rejections_total\x18\n \x01(\x04\x12\x16\n\x0e\x63onsumed_total\x18\x0b \x01(\x04\x12\x15\n\revicted_total\x18\x0c \x01(\x04\x12\x1a\n\x12parked_bytes_total\x18\r \x01(\x04\x12\x18\n\x10sent_bytes_total\x18\x0e \x01(\x04*B\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x11\n\rSTATUS_FAILED\x10\x02*\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_UNKNOWN\x10\x01\x12\x10\n\x0cSTATE_PARKED\x10\x02\x12\x0f\n\x0bSTATE_BOUND\x10\x03\x12\x14\n\x10STATE_TOMBSTONED\x10\x04\x12\x13\n\x0fSTATE_DELIVERED\x10\x05*`\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_GRPC\x10\x01\x12\x11\n\rTRANSPORT_TCP\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03*\x9a\x03\n\rFailureReason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x11\n\rREASON_REAPED\x10\x01\x12\x15\n\x11REASON_UNKNOWN_ID\x10\x02\x12\x1b\n\x17REASON_ALREADY_CONSUMED\x10\x03\x12\x13\n\x0fREASON_RELEASED\x10\x04\x12\x12\n\x0eREASON_EVICTED\x10\x05\x12\x18\n\x14REASON_ALREADY_BOUND\x10\x06\x12\x14\n\x10REASON_POOL_FULL\x10\x07\x12\x14\n\x10REASON_TOO_LARGE\x10\x08\x12\x17\n\x13REASON_WAIT_TIMEOUT\x10\t\x12\x19\n\x15REASON_EPOCH_MISMATCH\x10\n\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\x0b\x12\x19\n\x15REASON_CHUNK_CONFLICT\x10\x0c\x12\x1c\n\x18REASON_CHECKSUM_MISMATCH\x10\r\x12\x18\n\x14REASON_NOT_COMMITTED\x10\x0e\x12\x1a\n\x16REASON_COMMIT_MISMATCH\x10\x0f\x32\x97\x03\n\nKVProducer\x12\x39\n\x04Park\x12\x16.kvpark.v1.ParkRequest\x1a\x17.kvpark.v1.ParkResponse(\x01\x12<\n\x05\x46\x65tch\x12\x17.kvpark.v1.FetchRequest\x1a\x18.kvpark.v1.FetchResponse0\x01\x12\x46\n\tKeepAlive\x12\x1b.kvpark.v1.KeepAliveRequest\x1a\x1c.kvpark.v1.KeepAliveResponse\x12@\n\x07Release\x12\x19.kvpark.v1.ReleaseRequest\x1a\x1a.kvpark.v1.ReleaseResponse\x12=\n\x06Lookup\x12\x18.kvpark.v1.LookupRequest\x1a\x19.kvpark.v1.LookupResponse\x12G\n\rGetServerInfo\x12\x1f.kvpark.v1.GetServerInfoRequest\x1a\x15.kvpark.v1.ServerInfoB$\n\x0cio.kvpark.v1P\x01Z\x12kvpark/v1;kvparkv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpark/v1/kvpark.proto\x12\tkvpark.v1\"G\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x13\n\x06\x63rc32c\x18\x02 \x01(\x07H\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x42\t\n\x07_crc32c\"c\n\nParkHeader\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x62\x61tch_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshm_lend_id\x18\x04 \x01(\t\"\\\n\x08\x43hunkRef\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x13\n\x06\x63rc32c\x18\x02 \x01(\x07H\x00\x88\x01\x01\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x42\t\n\x07_crc32c\".\n\tChunkRefs\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.kvpark.v1.ChunkRef\"+\n\nParkCommit\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\xc7\x01\n\x0bParkRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvpark.v1.ParkHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.kvpark.v1.ChunkH\x00\x12\'\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x15.kvpark.v1.ParkCommitH\x00\x12*\n\nchunk_refs\x18\x05 \x01(\x0b\x32\x14.kvpark.v1.ChunkRefsH\x00\x42\x06\n\x04kindJ\x04\x08\x04\x10\x05R\tchunk_ref\"\xbd\x02\n\x0cParkResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\rchunks_parked\x18\x04 \x01(\r\x12\x16\n\x0eproducer_epoch\x18\x05 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x06 \x01(\x01\x12\x15\n\rretry_after_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x62ytes_parked\x18\x08 \x01(\x04\x12\x14\n\x0ctotal_chunks\x18\t \x01(\r\x12\x19\n\x11\x61\x64vertise_address\x18\n \x01(\t\x12(\n\ntransports\x18\x0b \x03(\x0e\x32\x14.kvpark.v1.Transport\"\xd6\x01\n\x0c\x46\x65tchRequest\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x11\n\tchunk_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x65xpected_epoch\x18\x03 \x01(\x04\x12\x16\n\x0ewait_timeout_s\x18\x04 \x01(\x01\x12/\n\x11\x61\x63\x63\x65pt_transports\x18\x05 \x03(\x0e\x32\x14.kvpark.v1.Transport\x12\x13\n\x0bshm_lend_id\x18\x06 \x01(\t\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x12\n\nshm_length\x18\x08 \x01(\x04\"\xc0\x01\n\rFetchResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.kvpark.v1.ChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvpark.v1.TransferDoneH\x00\x12*\n\ndata_offer\x18\x03 \x01(\x0b\x32\x14.kvpark.v1.DataOfferH\x00\x12)\n\x06placed\x18\x05 \x01(\x0b\x32\x17.kvpark.v1.ChunksPlacedH\x00\x42\x06\n\x04kindJ\x04\x08\x04\x10\x05\"b\n\tDataOffer\x12\'\n\ttransport\x18\x01 \x01(\x0e\x32\x14.kvpark.v1.Transport\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x12\x0b\n\x03tls\x18\x04 \x01(\x08\"O\n\x0b\x43hunkPlaced\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\x07\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"6\n\x0c\x43hunksPlaced\x12&\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x16.kvpark.v1.ChunkPlaced\"\xea\x01\n\x0cTransferDone\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\x06\x12\x16\n\x0eproducer_epoch\x18\x07 \x01(\x04\x12\'\n\ttransport\x18\x08 \x01(\x0e\x32\x14.kvpark.v1.Transport\"<\n\x10KeepAliveRequest\x12\x16\n\x0ekv_request_ids\x18\x01 \x03(\t\x12\x10\n\x08\x65xtend_s\x18\x02 \x01(\x01\"7\n\x11KeepAliveResponse\x12\"\n\x06states\x18\x01 \x03(\x0b\x32\x12.kvpark.v1.IdState\"<\n\x0eReleaseRequest\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\x06\"n\n\x0fReleaseResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpark.v1.Status\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\'\n\rLookupRequest\x12\x16\n\x0ekv_request_ids\x18\x01 \x03(\t\"4\n\x0eLookupResponse\x12\"\n\x06states\x18\x01 \x03(\x0b\x32\x12.kvpark.v1.IdState\"\xd1\x01\n\x07IdState\x12\x15\n\rkv_request_id\x18\x01 \x01(\t\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.kvpark.v1.State\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvpark.v1.FailureReason\x12\x15\n\rchunks_parked\x18\x04 \x01(\r\x12\x14\n\x0ctotal_chunks\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x19\n\x11lease_remaining_s\x18\x08 \x01(\x01\"\x16\n\x14GetServerInfoRequest\"\xfa\x03\n\nServerInfo\x12\x16\n\x0eproducer_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fpool_free_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x04\x12\x1f\n\x17unbound_store_timeout_s\x18\x06 \x01(\x01\x12\x1d\n\x15tombstone_retention_s\x18\x07 \x01(\x01\x12\x1f\n\x17\x63onsumer_load_timeout_s\x18\x08 \x01(\x01\x12\x13\n\x0bmax_lease_s\x18\t \x01(\x01\x12\x18\n\x10max_fetch_wait_s\x18\n \x01(\x01\x12\x1b\n\x13park_idle_timeout_s\x18\x0b \x01(\x01\x12\x18\n\x10\x64\x65livery_grace_s\x18\x0c \x01(\x01\x12\x1d\n\x15\x66\x65tch_stall_timeout_s\x18\r \x01(\x01\x12\x17\n\x0fmax_batch_bytes\x18\x0e \x01(\x04\x12\x19\n\x11\x61\x64vertise_address\x18\x0f \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x10 \x01(\t\x12\x10\n\x08\x64\x61ta_tls\x18\x11 \x01(\x08\x12\x12\n\nshm_socket\x18\x12 \x01(\t\x12\'\n\x05stats\x18\x13 \x01(\x0b\x32\x18.kvpark.v1.ProducerStats\"\xec\x02\n\rProducerStats\x12\x12\n\nparked_ids\x18\x01 \x01(\x04\x12\x11\n\tbound_ids\x18\x02 \x01(\x04\x12\x15\n\rdelivered_ids\x18\x03 \x01(\x04\x12\x12\n\ntombstones\x18\x04 \x01(\x04\x12\x19\n\x11open_park_batches\x18\x05 \x01(\x04\x12\x13\n\x0bparks_total\x18\x06 \x01(\x04\x12\x15\n\rfetches_total\x18\x07 \x01(\x04\x12\x14\n\x0creaped_total\x18\x08 \x01(\x04\x12#\n\x1blate_fetch_rejections_total\x18\t \x01(\x04\x12\"\n\x1alate_park_rejections_total\x18\n \x01(\x04\x12\x16\n\x0e\x63onsumed_total\x18\x0b \x01(\x04\x12\x15\n\revicted_total\x18\x0c \x01(\x04\x12\x1a\n\x12parked_bytes_total\x18\r \x01(\x04\x12\x18\n\x10sent_bytes_total\x18\x0e \x01(\x04*B\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x11\n\rSTATUS_FAILED\x10\x02*\x7f\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x11\n\rSTATE_UNKNOWN\x10\x01\x12\x10\n\x0cSTATE_PARKED\x10\x02\x12\x0f\n\x0bSTATE_BOUND\x10\x03\x12\x14\n\x10STATE_TOMBSTONED\x10\x04\x12\x13\n\x0fSTATE_DELIVERED\x10\x05*`\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_GRPC\x10\x01\x12\x11\n\rTRANSPORT_TCP\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03*\x9a\x03\n\rFailureReason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x11\n\rREASON_REAPED\x10\x01\x12\x15\n\x11REASON_UNKNOWN_ID\x10\x02\x12\x1b\n\x17REASON_ALREADY_CONSUMED\x10\x03\x12\x13\n\x0fREASON_RELEASED\x10\x04\x12\x12\n\x0eREASON_EVICTED\x10\x05\x12\x18\n\x14REASON_ALREADY_BOUND\x10\x06\x12\x14\n\x10REASON_POOL_FULL\x10\x07\x12\x14\n\x10REASON_TOO_LARGE\x10\x08\x12\x17\n\x13REASON_WAIT_TIMEOUT\x10\t\x12\x19\n\x15REASON_EPOCH_MISMATCH\x10\n\x12\x18\n\x14REASON_SHUTTING_DOWN\x10\x0b\x12\x19\n\x15REASON_CHUNK_CONFLICT\x10\x0c\x12\x1c\n\x18REASON_CHECKSUM_MISMATCH\x10\r\x12\x18\n\x14REASON_NOT_COMMITTED\x10\x0e\x12\x1a\n\x16REASON_COMMIT_MISMATCH\x10\x0f\x32\x97\x03\n\nKVProducer\x12\x39\n\x04Park\x12\x16.kvpark.v1.ParkRequest\x1a\x17.kvpark.v1.ParkResponse(\x01\x12<\n\x05\x46\x65tch\x12\x17.kvpark.v1.FetchRequest\x1a\x18.kvpark.v1.FetchResponse0\x01\x12\x46\n\tKeepAlive\x12\x1b.kvpark.v1.KeepAliveRequest\x1a\x1c.kvpark.v1.KeepAliveResponse\x12@\n\x07Release\x12\x19.kvpark.v1.ReleaseRequest\x1a\x1a.kvpark.v1.ReleaseResponse\x12=\n\x06Lookup\x12\x18.kvpark.v1.LookupRequest\x1a\x19.kvpark.v1.LookupResponse\x12G\n\rGetServerInfo\x12\x1f.kvpark.v1.GetServerInfoRequest\x1a\x15.kvpark.v1.ServerInfoB$\n\x0cio.kvpark.v1P\x01Z\x12kvpark/v1;kvparkv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,14 +32,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpark.v1.kvpark_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.kvpark.v1P\001Z\022kvpark/v1;kvparkv1'
-  _globals['_STATUS']._serialized_start=3283
-  _globals['_STATUS']._serialized_end=3349
-  _globals['_STATE']._serialized_start=3351
-  _globals['_STATE']._serialized_end=3478
-  _globals['_TRANSPORT']._serialized_start=3480
-  _globals['_TRANSPORT']._serialized_end=3576
-  _globals['_FAILUREREASON']._serialized_start=3579
-  _globals['_FAILUREREASON']._serialized_end=3989
+  _globals['_STATUS']._serialized_start=3306
+  _globals['_STATUS']._serialized_end=3372
+  _globals['_STATE']._serialized_start=3374
+  _globals['_STATE']._serialized_end=3501
+  _globals['_TRANSPORT']._serialized_start=3503
+  _globals['_TRANSPORT']._serialized_end=3599
+  _globals['_FAILUREREASON']._serialized_start=3602
+  _globals['_FAILUREREASON']._serialized_end=4012
   _globals['_CHUNK']._serialized_start=37
   _globals['_CHUNK']._serialized_end=108
   _globals['_PARKHEADER']._serialized_start=110
@@ -51,41 +51,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARKCOMMIT']._serialized_start=353
   _globals['_PARKCOMMIT']._serialized_end=396
   _globals['_PARKREQUEST']._serialized_start=399
-  _globals['_PARKREQUEST']._serialized_end=581
-  _globals['_PARKRESPONSE']._serialized_start=584
-  _globals['_PARKRESPONSE']._serialized_end=901
-  _globals['_FETCHREQUEST']._serialized_start=904
-  _globals['_FETCHREQUEST']._serialized_end=1118
-  _globals['_FETCHRESPONSE']._serialized_start=1121
-  _globals['_FETCHRESPONSE']._serialized_end=1307
-  _globals['_DATAOFFER']._serialized_start=1309
-  _globals['_DATAOFFER']._serialized_end=1407
-  _globals['_CHUNKPLACED']._serialized_start=1409
-  _globals['_CHUNKPLACED']._serialized_end=1488
-  _globals['_CHUNKSPLACED']._serialized_start=1490
-  _globals['_CHUNKSPLACED']._serialized_end=1544
-  _globals['_TRANSFERDONE']._serialized_start=1547
-  _globals['_TRANSFERDONE']._serialized_end=1781
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1783
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1843
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1845
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1900
-  _globals['_RELEASEREQUEST']._serialized_start=1902
-  _globals['_RELEASEREQUEST']._serialized_end=1962
-  _globals['_RELEASERESPONSE']._serialized_start=1964
-  _globals['_RELEASERESPONSE']._serialized_end=2074
-  _globals['_LOOKUPREQUEST']._serialized_start=2076
-  _globals['_LOOKUPREQUEST']._serialized_end=2115
-  _globals['_LOOKUPRESPONSE']._serialized_start=2117
-  _globals['_LOOKUPRESPONSE']._serialized_end=2169
-  _globals['_IDSTATE']._serialized_start=2172
-  _globals['_IDSTATE']._serialized_end=2381
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2383
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2405
-  _globals['_SERVERINFO']._serialized_start=2408
-  _globals['_SERVERINFO']._serialized_end=2914
-  _globals['_PRODUCERSTATS']._serialized_start=2917
-  _globals['_PRODUCERSTATS']._serialized_end=3281
-  _globals['_KVPRODUCER']._serialized_start=3992
-  _globals['_KVPRODUCER']._serialized_end=4399
+  _globals['_PARKREQUEST']._serialized_end=598
+  _globals['_PARKRESPONSE']._serialized_start=601
+  _globals['_PARKRESPONSE']._serialized_end=918
+  _globals['_FETCHREQUEST']._serialized_start=921
+  _globals['_FETCHREQUEST']._serialized_end=1135
+  _globals['_FETCHRESPONSE']._serialized_start=1138
+  _globals['_FETCHRESPONSE']._serialized_end=1330
+  _globals['_DATAOFFER']._serialized_start=1332
+  _globals['_DATAOFFER']._serialized_end=1430
+  _globals['_CHUNKPLACED']._serialized_start=1432
+  _globals['_CHUNKPLACED']._serialized_end=1511
+  _globals['_CHUNKSPLACED']._serialized_start=1513
+  _globals['_CHUNKSPLACED']._serialized_end=1567
+  _globals['_TRANSFERDONE']._serialized_start=1570
+  _globals['_TRANSFERDONE']._serialized_end=1804
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1806
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1866
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1868
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1923
+  _globals['_RELEASEREQUEST']._serialized_start=1925
+  _globals['_RELEASEREQUEST']._serialized_end=1985
+  _globals['_RELEASERESPONSE']._serialized_start=1987
+  _globals['_RELEASERESPONSE']._serialized_end=2097
+  _globals['_LOOKUPREQUEST']._serialized_start=2099
+  _globals['_LOOKUPREQUEST']._serialized_end=2138
+  _globals['_LOOKUPRESPONSE']._serialized_start=2140
+  _globals['_LOOKUPRESPONSE']._serialized_end=2192
+  _globals['_IDSTATE']._serialized_start=2195
+  _globals['_IDSTATE']._serialized_end=2404
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2406
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2428
+  _globals['_SERVERINFO']._serialized_start=2431
+  _globals['_SERVERINFO']._serialized_end=2937
+  _globals['_PRODUCERSTATS']._serialized_start=2940
+  _globals['_PRODUCERSTATS']._serialized_end=3304
+  _globals['_KVPRODUCER']._serialized_start=4015
+  _globals['_KVPRODUCER']._serialized_end=4422
 # @@protoc_insertion_point(module_scope)
