@@ -336,6 +336,7 @@ class AsyncKVConsumer(ClientBase):
         )
         watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
+        finished = False  # ... and the producer ended it: no copy of it is still running
         try:
             step = Step.CONTINUE
             async for raw in call:
@@ -346,15 +347,16 @@ class AsyncKVConsumer(ClientBase):
                 if step is not Step.CONTINUE:
                     break
             else:
-                ended = True
+                ended = finished = True
                 session.stream_ended()
             if step is Step.DONE:
                 async for raw in call:  # drain to the status, so the call ends without a cancel
                     session.feed(raw)
-                ended = True
+                ended = finished = True
         except grpc.aio.AioRpcError as exc:
             ended = True
             if session.refused_out_of_band(exc.code()):
+                finished = True  # refused before any copy
                 raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         except asyncio.CancelledError:
@@ -368,6 +370,9 @@ class AsyncKVConsumer(ClientBase):
             watchdog.disarm()
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
+            if session.shm is not None and not finished:
+                # Cut off: a copy into the caller's memory may still run; wait it out.
+                await asyncio.shield(asyncio.to_thread(self._core.shm.settle, session.shm.lend_id))
 
     async def _receive(self, session: LoadSession) -> Step:
         """Reads the data connection on a worker thread while the loop runs on; a cancel of

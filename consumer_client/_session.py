@@ -185,10 +185,12 @@ class LoadSession:
             if self.offer is not None or self.chunks_loaded:
                 return self._abandon(Reason.PROTOCOL_ERROR, "a DataOffer after the first message")
             self.offer = message
+            self.transport = message.transport  # so a load cut off mid-way still says it
             return Step.OFFER
         if isinstance(message, pb.ChunksPlaced):
             if not message.chunks:
                 return self._abandon(Reason.PROTOCOL_ERROR, "a ChunksPlaced that names no chunk")
+            self.transport = pb.TRANSPORT_SHM
             for placed in message.chunks:
                 step = self._placed(placed)
                 if step is not Step.CONTINUE:

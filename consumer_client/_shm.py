@@ -111,6 +111,24 @@ class ShmAccess:
         with self._lock:
             self._staging_busy = False
 
+    def settle(self, lend_id: str) -> None:
+        """After a Fetch into `lend_id` was cut off (timeout, cancel): ends that lend and
+        returns once the producer says no call copies into it any more, so the caller may
+        reuse the memory without a late copy landing in it. The buffer is lent again on its
+        next use. When the producer cannot say so in time, the client's connection is closed
+        and the fact logged: the producer may then still finish one copy into the buffer."""
+        with self._lock:
+            for key, known in list(self._lends.items()):
+                if known == lend_id:
+                    del self._lends[key]
+            lender = self._lender
+        if lender is None:
+            return
+        try:
+            lender.release(lend_id)
+        except ShmUnavailable as exc:
+            log.warning("kvpark: a cut-off Fetch into lent memory did not settle: %s", exc)
+
     # ------------------------------------------------------------------------------ lending
     def _lend(self, buffer: SharedBuffer) -> str | None:
         with self._lock:

@@ -330,6 +330,7 @@ class KVConsumer(ClientBase):
         )
         watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
+        finished = False  # ... and the producer ended it: no copy of it is still running
         try:
             step = Step.CONTINUE
             for raw in call:
@@ -347,21 +348,25 @@ class KVConsumer(ClientBase):
                 if step is not Step.CONTINUE:
                     break
             else:
-                ended = True
+                ended = finished = True
                 session.stream_ended()
             if step is Step.DONE:
                 for raw in call:  # drain to the status, so the call ends without a cancel
                     session.feed(raw)
-                ended = True
+                ended = finished = True
         except grpc.RpcError as exc:
             ended = True
             if session.refused_out_of_band(exc.code()):
+                finished = True  # refused before any copy
                 raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         finally:
             watchdog.disarm()
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
+            if session.shm is not None and not finished:
+                # Cut off: a copy into the caller's memory may still run; wait it out.
+                self._core.shm.settle(session.shm.lend_id)
 
     def _confirm_later(self, result: LoadResult) -> None:
         with self._lock:

@@ -77,6 +77,9 @@ class LentBuffer:
         self._view: memoryview | None = memoryview(mapping)
         self._holds = 0
         self._closed = False
+        # Called (from whichever thread lets go last) once the lend has ended and no call holds
+        # it any more: a release waiting to be answered.
+        self.on_idle: Callable[[], None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -86,6 +89,12 @@ class LentBuffer:
     @property
     def mapped(self) -> bool:
         return self._mmap is not None
+
+    @property
+    def idle(self) -> bool:
+        """Ended, and no call holds it: nothing copies into or out of it any more."""
+        with self._lock:
+            return self._closed and self._holds == 0
 
     @property
     def view(self) -> memoryview:
@@ -112,6 +121,8 @@ class LentBuffer:
                 unmap = self._closed and self._holds == 0
             if unmap:
                 self._unmap()
+                if self.on_idle is not None:
+                    self.on_idle()
 
     def end(self) -> None:
         """Ends the lend: unmaps now, or when the last `acquire()` block exits. Idempotent."""
@@ -151,6 +162,7 @@ class _Connection:
     fds: list[int] = field(default_factory=list)  # received with the message being read
     lends: dict[str, LentBuffer] = field(default_factory=dict)
     deadline: float | None = None  # the current message (or the hello) must be complete by
+    releasing: LentBuffer | None = None  # released, answered once no call holds it
 
 
 _LISTENER = "listener"
@@ -248,9 +260,7 @@ class ShmLendingServer:
         self._stopping = True
         thread = self._thread
         if thread is not None:
-            if self._wake_w is not None:
-                with contextlib.suppress(OSError):
-                    self._wake_w.send(b"x")
+            self._wake()
             thread.join(timeout=10)
         self._close_all()
         if self._socket_identity is not None:
@@ -321,6 +331,7 @@ class ShmLendingServer:
                             wake.recv(64)
                     elif isinstance(key.data, _Connection) and key.data.sock in self._conns:
                         self._on_readable(key.data)
+                self._answer_releases()
                 self._expire_slow_messages()
         except Exception:
             log.exception("shm lending server failed; every lend ends")
@@ -417,6 +428,9 @@ class ShmLendingServer:
         if fds and op != "lend":
             self._protocol_error(conn, f"a descriptor on a {op!r} message")
             return
+        if conn.releasing is not None:  # strictly request then answer
+            self._protocol_error(conn, "a message before the release was answered")
+            return
         if not conn.greeted:
             if op != "hello":
                 self._protocol_error(conn, "the first message must be hello")
@@ -431,7 +445,9 @@ class ShmLendingServer:
         if op == "lend":
             self._answer(conn, self._lend(conn, message, fds))
         elif op == "release":
-            self._answer(conn, self._release(conn, message))
+            answer = self._release(conn, message)
+            if answer is not None:
+                self._answer(conn, answer)
         else:
             self._protocol_error(conn, f"unknown op {op!r}")
 
@@ -486,14 +502,34 @@ class ShmLendingServer:
         except OSError as exc:
             return f"cannot map the buffer: {exc.strerror or exc}"
 
-    def _release(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+    def _release(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any] | None:
+        """Ends a lend. The answer waits until no call holds the buffer (None: answered later
+        by `_answer_releases`): a call cut off mid-copy may still be writing into it, and the
+        client must not reuse the memory before that copy is over."""
         lend_id = message.get("lend_id")
         if not isinstance(lend_id, str):
             return _refusal("lend_id must be a string")
         lent = conn.lends.pop(lend_id, None)  # only the lending connection may end a lend
-        if lent is not None:
-            self._forget(lent)
-        return {"ok": True, "released": lent is not None}
+        if lent is None:
+            return {"ok": True, "released": False}
+        lent.on_idle = self._wake
+        self._forget(lent)
+        if lent.idle:
+            return {"ok": True, "released": True}
+        conn.releasing = lent
+        return None
+
+    def _answer_releases(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.releasing is not None and conn.releasing.idle:
+                conn.releasing = None
+                self._answer(conn, {"ok": True, "released": True})
+
+    def _wake(self) -> None:
+        wake = self._wake_w
+        if wake is not None:
+            with contextlib.suppress(OSError):
+                wake.send(b"x")
 
     def _forget(self, lent: LentBuffer) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from conftest import MiB, running_producer, wait_until
 
-from kvpark import BufferTooSmallError, KVConsumer, KVParker, Reason, wire
+from kvpark import AsyncKVConsumer, BufferTooSmallError, KVConsumer, KVParker, Reason, wire
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
@@ -144,7 +144,9 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
     transport: str, shm_socket: str
 ) -> None:
     """The client's timeout fires while the bytes flow (a fetch before the last chunk is
-    parked): it cancels, the producer stops, and the id is PARKED again for a retry."""
+    parked): it cancels, the producer stops, and the id is PARKED again for a retry. Over
+    shared memory the load returns only once no producer call can still copy into the
+    caller's buffer."""
     async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
 
         def run() -> tuple[Any, Any]:
@@ -160,12 +162,37 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
                     else np.zeros(4 * CHUNK, np.uint8)
                 )
                 cut = c.load("c", num_chunks=4, into=into, timeout=0.5)
+                if transport == "shm":
+                    # Settled before the load returned: no producer call holds the lent
+                    # buffer any more, so no late copy can land in it.
+                    assert server.shm is not None and server.shm.lend_count == 0
                 assert parker.park("c", {3: data[3]}, total_chunks=4).ok
                 return cut, c.load("c", num_chunks=4, into=into)
 
         cut, retried = await in_thread(run)
         assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 3
+        assert cut.transport == transport  # known from the first message, not only the last
         assert retried.ok and retried.transport == transport
+        server.lot.check_invariants()
+
+
+async def test_an_async_shm_load_cut_off_returns_once_no_copy_can_land(shm_socket: str) -> None:
+    """The async client settles a cut-off shm load as the blocking one does: by the time the
+    load returns, no producer call holds the lent buffer."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        data = chunks(4, seed=6)
+
+        def park_some() -> None:
+            with KVParker(server.target) as parker:
+                assert parker.park("a", {i: data[i] for i in range(3)}, total_chunks=4).ok
+
+        await in_thread(park_some)
+        async with AsyncKVConsumer(server.target, transport="shm", shm_socket=shm_socket) as c:
+            into = c.shared_buffer(4 * CHUNK)
+            cut = await c.load("a", num_chunks=4, into=into, timeout=0.5)
+            assert server.shm is not None and server.shm.lend_count == 0
+            assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 3
+            assert cut.transport == "shm" and into[: 3 * CHUNK].tobytes() == joined(data[:3])
         server.lot.check_invariants()
 
 

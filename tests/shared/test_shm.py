@@ -456,6 +456,34 @@ def test_a_lend_ends_with_its_connection(server: ShmLendingServer, lenders: Any)
     assert server.lend_count == 0
 
 
+def test_a_release_is_answered_once_no_call_holds_the_buffer(
+    server: ShmLendingServer, lenders: Any
+) -> None:
+    """A client releases a buffer while a producer call still copies into it (a Fetch it cut
+    off): the answer comes only after that copy let go, so memory the client reuses after
+    `release` returns gets no late bytes. A lend nobody holds is answered at once."""
+    lender = lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        assert lender.release(lender.lend(buffer, "fetch")) is True  # not held: at once
+        lend_id = lender.lend(buffer, "fetch")
+        lent = server.get(lend_id, "fetch")
+        assert lent is not None
+        order: list[str] = []
+        with lent.acquire() as view:
+            releasing = threading.Thread(
+                target=lambda: order.append(f"answered {lender.release(lend_id)}")
+            )
+            releasing.start()
+            wait_for(lambda: server.lend_count == 0, what="the release to arrive")
+            view[:4] = b"last"  # the cut-off copy's last bytes
+            order.append("copy done")
+        releasing.join(10)
+        assert order == ["copy done", "answered True"]
+        assert bytes(buffer.array[:4]) == b"last" and not lent.mapped
+        # The connection serves on: lend and release again.
+        assert lender.release(lender.lend(buffer, "fetch")) is True
+
+
 def test_a_view_kept_past_acquire_keeps_the_mapping(server: ShmLendingServer, lenders: Any) -> None:
     lender = lenders(server, "fetch")
     with SharedBuffer(MiB) as buffer:
