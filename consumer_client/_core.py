@@ -191,6 +191,16 @@ class ClientCore:
         if self.closed:
             raise ClientClosedError(f"the kvpark client for {self.target} is closed")
 
+    def start_call(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Starts a call on a sync channel. A close() from another thread can shut the channel
+        after the caller took its stub and before the call starts; grpc then raises a bare
+        ValueError ("Cannot invoke RPC on closed channel"), which is ClientClosedError here."""
+        try:
+            return call(*args, **kwargs)
+        except ValueError:
+            self.check_open()
+            raise
+
     # ------------------------------------------------------------------------------ requests
     def call_deadline(self, timeout: TimeoutArg) -> float | None:
         """A unary call's gRPC deadline under the timeout rule (None: no deadline)."""

@@ -46,7 +46,7 @@ from ._core import (
     report,
     states_of,
 )
-from ._errors import KVParkError, error_from_rpc
+from ._errors import ClientClosedError, KVParkError, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
 from ._result import LoadReport, LoadResult
 from ._session import LoadSession, OnChunk, Step
@@ -176,7 +176,8 @@ class KVConsumer(ClientBase):
     def _read_info(self, stub: Any) -> None:
         info = None
         try:
-            msg = stub.GetServerInfo(
+            msg = self._core.start_call(
+                stub.GetServerInfo,
                 pb.GetServerInfoRequest(),
                 timeout=self._core.info_timeout_s(),
                 metadata=self._core.channel.metadata,
@@ -184,6 +185,8 @@ class KVConsumer(ClientBase):
             info = ProducerInfo.from_proto(msg)
         except grpc.RpcError as exc:
             log.debug("kvpark: ServerInfo from %s failed: %s", self.target, exc.code())
+        except ClientClosedError:
+            pass  # closed before the answer came: nobody waits for it
         finally:
             self._core.info_done(info)
 
@@ -193,8 +196,11 @@ class KVConsumer(ClientBase):
         deadline = self._core.call_deadline(timeout)
         stub, _ = self._stubs()
         try:
-            return getattr(stub, method)(
-                request, timeout=deadline, metadata=self._core.channel.metadata
+            return self._core.start_call(
+                getattr(stub, method),
+                request,
+                timeout=deadline,
+                metadata=self._core.channel.metadata,
             )
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.CANCELLED:
@@ -325,8 +331,11 @@ class KVConsumer(ClientBase):
         return result
 
     def _stream(self, fetch: Any, session: LoadSession) -> None:
-        call = fetch(
-            session.request, timeout=session.remaining_s(), metadata=self._core.channel.metadata
+        call = self._core.start_call(
+            fetch,
+            session.request,
+            timeout=session.remaining_s(),
+            metadata=self._core.channel.metadata,
         )
         watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel

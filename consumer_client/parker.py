@@ -221,8 +221,8 @@ class KVParker(ClientBase):
     ) -> ParkResult:
         _, park = self._stubs()
         try:
-            raw = park(
-                requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
+            raw = self._core.start_call(
+                park, requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
             )
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.CANCELLED:
@@ -245,7 +245,7 @@ class KVParker(ClientBase):
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
         outcome = _outcome(self._core, kid, timeout)
         _, park = self._stubs()
-        return ParkBatch(park, self._core.channel.metadata, frames, outcome)
+        return self._core.start_call(ParkBatch, park, self._core.channel.metadata, frames, outcome)
 
     def release(
         self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
@@ -254,7 +254,8 @@ class KVParker(ClientBase):
         request = release_request(kv_request_id)
         stub, _ = self._stubs()
         try:
-            reply = stub.Release(
+            reply = self._core.start_call(
+                stub.Release,
                 request,
                 timeout=self._core.call_deadline(timeout),
                 metadata=self._core.channel.metadata,
@@ -267,7 +268,8 @@ class KVParker(ClientBase):
         """The producer's epoch, limits and timeouts (one GetServerInfo call)."""
         stub, _ = self._stubs()
         try:
-            msg = stub.GetServerInfo(
+            msg = self._core.start_call(
+                stub.GetServerInfo,
                 pb.GetServerInfoRequest(),
                 timeout=self._core.call_deadline(timeout),
                 metadata=self._core.channel.metadata,

@@ -482,6 +482,17 @@ def test_sync_unary_call_cut_short_by_close_raises_client_closed() -> None:
         assert [type(e) for e in outcome] == [ClientClosedError], outcome
 
 
+def test_a_call_started_just_after_close_raises_client_closed() -> None:
+    """The window between a call taking its stub and starting: close() from another thread
+    shuts the channel there, grpc raises a bare ValueError, the caller sees ClientClosedError."""
+    client = KVConsumer("127.0.0.1:1")
+    stub, fetch = client._stubs()  # what a call holds just before it starts
+    client.close()
+    for call, request in ((stub.Lookup, pb.LookupRequest()), (fetch, b"")):
+        with pytest.raises(ClientClosedError):
+            client._core.start_call(call, request, timeout=1)
+
+
 async def test_cancelling_the_callers_task_cancels_the_fetch() -> None:
     import asyncio
 
