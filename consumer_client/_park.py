@@ -36,6 +36,10 @@ _UINT32_MAX = 2**32 - 1
 # retry_after_s: that is its estimate of when a lease ends, but room also frees sooner (a
 # release, a confirmed delivery, a batch undone), and a short first wait catches that.
 FIRST_RETRY_WAIT_S = 0.05
+# A POOL_FULL retry starts only if it leaves the call at least this long before the deadline:
+# a retry with only a few milliseconds would end DEADLINE_EXCEEDED and turn the truthful
+# answer (the pool stayed full) into a TIMEOUT.
+RETRY_CALL_BUDGET_S = 0.1
 # A Park message over shared memory names up to 64 chunks and 16 MiB: the producer copies each
 # message's chunks in one job on a worker thread, so its per-message cost (a gRPC read, a
 # thread hand-off) is paid once per group instead of once per chunk, while several groups
@@ -344,13 +348,13 @@ class ParkOutcome:
 
     def retry_wait_s(self, result: ParkResult) -> float | None:
         """Seconds to wait before trying again, or None to stop: only POOL_FULL is retried,
-        and only when the wait still leaves time for the call within the deadline."""
+        and only when the wait still leaves the call RETRY_CALL_BUDGET_S within the deadline."""
         if result.reason is not Reason.POOL_FULL:
             return None
         backoff = FIRST_RETRY_WAIT_S * 2.0 ** (self.attempts - 1)
         wait = max(FIRST_RETRY_WAIT_S, min(backoff, result.retry_after_s))
         remaining = self.remaining_s()
-        if remaining is not None and wait >= remaining:
+        if remaining is not None and wait + RETRY_CALL_BUDGET_S > remaining:
             return None
         return wait
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import MiB, fetch_all, running_producer, stub_for, wait_until
+from conftest import FakeClock, MiB, fetch_all, running_producer, stub_for, wait_until
 
 from kvpark import AsyncKVParker, KVParker, ParkResult, Reason, UsageError, wire
 from kvpark.checksum import crc32c_of
@@ -135,11 +135,26 @@ async def test_pool_full_past_the_timeout_is_a_typed_result() -> None:
             started = time.monotonic()
             result = await parker.park("wanted", blocks(3, MiB), timeout=0.8)
             elapsed = time.monotonic() - started
-        assert not result.ok and result.reason is Reason.POOL_FULL
+        assert not result.ok and result.reason is Reason.POOL_FULL, result
         assert result.retry_after_s > 0 and result.attempts >= 1
         assert elapsed < 0.8 + 0.6, elapsed  # never a retry that would outlast the timeout
         with pytest.raises(dataclasses_frozen_error()):
             result.ok = True  # type: ignore[misc]
+
+
+def test_a_pool_full_retry_is_not_started_without_time_for_its_call() -> None:
+    """A retry that would start with only moments left would end DEADLINE_EXCEEDED and hide
+    the answer that matters (the pool stayed full): the parker stops and keeps POOL_FULL."""
+    from kvpark.client._park import FIRST_RETRY_WAIT_S, RETRY_CALL_BUDGET_S, ParkOutcome
+
+    clock = FakeClock()
+    outcome = ParkOutcome("x", 1.0, clock)
+    full = outcome.answered(
+        pb.ParkResponse(status=pb.STATUS_FAILED, reason=pb.REASON_POOL_FULL, retry_after_s=5)
+    )
+    assert outcome.retry_wait_s(full) == FIRST_RETRY_WAIT_S  # plenty of time: retry soon
+    clock.advance(1.0 - FIRST_RETRY_WAIT_S - RETRY_CALL_BUDGET_S / 2)
+    assert outcome.retry_wait_s(full) is None  # the wait would leave the call too little
 
 
 def dataclasses_frozen_error() -> type[Exception]:
