@@ -530,7 +530,7 @@ def _meta(plan: Plan, allocator: bool) -> dict[str, Any]:
 
     import numpy
 
-    from kvpark.checksum import HARDWARE_ACCELERATED
+    from kvpark.checksum import IMPLEMENTATION as CRC32C_IMPLEMENTATION
     from kvpark.version import __version__
 
     def pkg(name: str) -> str:
@@ -556,7 +556,7 @@ def _meta(plan: Plan, allocator: bool) -> dict[str, Any]:
             "platform": platform.platform(),
         },
         "allocator_tuned": allocator,
-        "crc32c_hardware": HARDWARE_ACCELERATED,
+        "crc32c": CRC32C_IMPLEMENTATION,
         "loadavg_start": _loadavg(),
         "plan": asdict(plan),
         "data_producer": asdict(DATA_PRODUCER),

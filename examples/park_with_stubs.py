@@ -42,7 +42,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import crc32c
+import crc32c_rs
 import grpc
 import numpy as np
 from reference_model import ReferenceModel
@@ -81,7 +81,7 @@ def park_messages(
     )
     messages = [pb.ParkRequest(header=header)]
     for chunk_id, data in enumerate(chunks):
-        chunk = pb.Chunk(chunk_id=chunk_id, crc32c=crc32c.crc32c(data), data=data)
+        chunk = pb.Chunk(chunk_id=chunk_id, crc32c=crc32c_rs.crc32c(data), data=data)
         messages.append(pb.ParkRequest(chunk=chunk))
     commit = pb.ParkCommit(chunks=len(chunks), bytes=sum(len(data) for data in chunks))
     messages.append(pb.ParkRequest(commit=commit))

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import numpy
 
+from kvpark.checksum import IMPLEMENTATION as CRC32C_IMPLEMENTATION
 from kvpark.producer.pool import DEFAULT_PAGE_BYTES
 from kvpark.version import __version__
 
@@ -217,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
             "producer": {"own": not args.target_given, "target": target, "pid": work.producer_pid,
                          "version": info.version if info else None},
             "versions": {"python": platform.python_version(), "grpcio": grpc.__version__,
-                         "numpy": numpy.__version__, "kvpark": __version__},
+                         "numpy": numpy.__version__, "kvpark": __version__,
+                         "crc32c": CRC32C_IMPLEMENTATION},
             "cpus": os.cpu_count()}  # fmt: skip
     doc = report.document(meta, work.rows, plan.size)
     text = json.dumps(doc, indent=2)

@@ -77,8 +77,8 @@ def table(doc: dict[str, Any]) -> str:
     who = f"our own, pid {producer['pid']}" if producer["own"] else "given by --target"
     lines = [f"kvpark bench{' --quick' if plan['quick'] else ''}: {plan['size_bytes'] / 1e6:g} MB "
              f"per transfer, {plan['reps']} repetition(s); producer {producer['target']} ({who})",
-             f"python {v['python']}, grpcio {v['grpcio']}, numpy {v['numpy']}, kvpark "
-             f"{v['kvpark']}; {doc['cpus']} CPUs", ""]  # fmt: skip
+             f"python {v['python']}, grpcio {v['grpcio']}, numpy {v['numpy']}, {v['crc32c']}, "
+             f"kvpark {v['kvpark']}; {doc['cpus']} CPUs", ""]  # fmt: skip
     cells = [["transfer", "chunk", "GB/s", "slowest-fastest", "x raw TCP", "CPU s/GB (this+other)",
               "x one fetch"]]  # fmt: skip
     for r in doc["transfer"]:
