@@ -230,11 +230,20 @@ class LoadSession:
         (after `expected_chunk`). May raise BufferTooSmallError."""
         return self._dest.parts_for(self.chunks_loaded, chunk_id, nbytes)
 
-    def landed(self, chunk_id: int, crc32c: int, parts: list[memoryview], nbytes: int) -> Step:
-        """A chunk read straight into `parts`: it counts once its CRC32C matches there."""
-        actual = 0
-        for part in parts:
-            actual = crc32c_of(part, actual)
+    def landed(
+        self,
+        chunk_id: int,
+        crc32c: int,
+        parts: list[memoryview],
+        nbytes: int,
+        actual: int | None = None,
+    ) -> Step:
+        """A chunk read straight into `parts`: it counts once its CRC32C matches there.
+        `actual` is that CRC when the transport computed it as the bytes landed."""
+        if actual is None:
+            actual = 0
+            for part in parts:
+                actual = crc32c_of(part, actual)
         if actual != crc32c:
             return self._abandon(
                 Reason.CHECKSUM_MISMATCH,

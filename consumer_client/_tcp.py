@@ -116,8 +116,8 @@ class TcpReceiver:
                 if refused is not None:
                     return refused
                 parts = session.parts_for(chunk_id, nbytes)
-                recv_payload(sock, parts, nbytes)
-                step = session.landed(chunk_id, crc32c, parts, nbytes)
+                landed_crc = recv_payload(sock, parts, nbytes)
+                step = session.landed(chunk_id, crc32c, parts, nbytes, landed_crc)
                 if step is not Step.CONTINUE:
                     return step
         except TimeoutError:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from tls_certs import make_certs
 
+from kvpark.checksum import crc32c_of
 from kvpark.tcp_frames import FrameWriter, recv_header, recv_payload
 
 CHUNKS = 6
@@ -37,7 +38,11 @@ def read_all(sock: socket.socket) -> list[tuple[int, int, bytes]]:
     while (header := recv_header(sock)) is not None:
         chunk_id, crc32c, nbytes = header
         payload = bytearray(nbytes)
-        recv_payload(sock, [memoryview(payload)], nbytes)
+        view = memoryview(payload)
+        # A scatter list whose parts split the payload where no read would: the CRC that
+        # recv_payload computed piece by piece is the payload's.
+        landed_crc = recv_payload(sock, [view[:777], view[777:]], nbytes)
+        assert landed_crc == crc32c_of(payload)
         got.append((chunk_id, crc32c, bytes(payload)))
     return got
 
