@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpark.shm import (
     LENGTH,
+    MAP_FLAGS,
     MAX_MESSAGE_BYTES,
     PARK_ROLE,
     PROTOCOL_VERSION,
@@ -498,7 +499,7 @@ class ShmLendingServer:
             if st.st_blocks * 512 < st.st_size:
                 return "the memfd is not fully allocated (posix_fallocate it before lending)"
             prot = mmap.PROT_READ if role == PARK_ROLE else mmap.PROT_READ | mmap.PROT_WRITE
-            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
+            return mmap.mmap(fd, st.st_size, MAP_FLAGS, prot)  # every page mapped now
         except OSError as exc:
             return f"cannot map the buffer: {exc.strerror or exc}"
 

@@ -125,12 +125,19 @@ def _forget(fd: int, start: int, serial: int) -> None:
     os.close(fd)
 
 
+# How both ends map a shared buffer: MAP_POPULATE maps every page at once, so the first
+# transfer through a new buffer does not take a page fault per 4 KiB page (~2 µs each on a VM:
+# 0.27 s per 580 MB, more than the copy itself).
+MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
+
+
 class SharedBuffer:
     """`nbytes` of memory in a sealed memfd, mapped read-write here, to lend a producer.
 
     Every page is allocated up front (posix_fallocate): the memory is charged to this process
     and a shortage fails here, rather than when the producer first touches a page (which would
-    charge the producer's cgroup, and which the producer refuses for that reason).
+    charge the producer's cgroup, and which the producer refuses for that reason). And mapped
+    up front (MAP_FLAGS).
 
     `close()` releases the descriptor and this process's claim on the memory. Arrays taken
     from `array` before must not be used afterwards: they no longer count as shared
@@ -148,7 +155,7 @@ class SharedBuffer:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, nbytes, MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise

@@ -196,6 +196,31 @@ def test_a_park_lend_is_read_only_for_the_producer(server: ShmLendingServer, len
             assert view[-1] == 99
 
 
+def mapped_bytes(memfd_name: str) -> int:
+    """Bytes of this process's mappings of the memfd `memfd_name` that have their page table
+    entries now (smaps Rss): what can be touched without a page fault."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            ours = len(fields) >= 6 and fields[5] == f"/memfd:{memfd_name}"
+        elif ours and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_both_ends_map_every_page_up_front(server: ShmLendingServer, lenders: Any) -> None:
+    """The client's mapping and the producer's are populated when made, so the first transfer
+    through a new buffer takes no page fault per page (each costs more than copying the page)."""
+    name = f"kvpark-test-{os.getpid()}-{time.monotonic_ns()}"
+    with SharedBuffer(8 * MiB, name=name) as buffer:
+        assert mapped_bytes(name) == 8 * MiB  # nothing touched yet
+        lend_id = lenders(server, "fetch").lend(buffer, "fetch")
+        lent = server.get(lend_id, "fetch")
+        assert lent is not None
+        assert mapped_bytes(name) == 16 * MiB  # the producer's mapping too, in this process
+
+
 def test_many_threads_share_one_lender(server: ShmLendingServer, lenders: Any) -> None:
     lender = lenders(server, "fetch")
     ids: list[str] = []
