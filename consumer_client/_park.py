@@ -204,17 +204,20 @@ class ParkFrames:
 
     def chunk(self, chunk: PreparedChunk) -> bytes:
         """A chunk's frame: its CRC32C over the caller's memory, then one copy into the frame."""
+        self.count(chunk)
+        return wire.encode_park_chunk(chunk.chunk_id, crc_of(chunk), chunk.parts)
+
+    def count(self, chunk: PreparedChunk) -> None:
+        """Counts a chunk this batch sends, for the commit."""
         self.chunks += 1
         self.nbytes += chunk.nbytes
-        return wire.encode_park_chunk(chunk.chunk_id, crc_of(chunk), chunk.parts)
 
     def chunk_refs(self, placed: Sequence[tuple[PreparedChunk, int]]) -> bytes:
         """Chunks already in the lent buffer, each at its offset: only where they are and
         their CRC32C."""
         refs = pb.ChunkRefs()
         for chunk, offset in placed:
-            self.chunks += 1
-            self.nbytes += chunk.nbytes
+            self.count(chunk)
             refs.refs.add(
                 chunk_id=chunk.chunk_id, crc32c=crc_of(chunk), offset=offset, nbytes=chunk.nbytes
             )

@@ -85,6 +85,13 @@ class ShmAccess:
             return None
         return lend_id, buffer.array.data, offset, length
 
+    def sole_lend(self) -> str | None:
+        """The lend id of this client's only shared buffer (lent now if it was not yet);
+        None when it made none or several, or lending does not work."""
+        with self._lock:
+            buffers = list(self._buffers)
+        return self._lend(buffers[0]) if len(buffers) == 1 else None
+
     def staging(self, nbytes: int) -> tuple[str, memoryview, SharedBuffer] | None:
         """A lent buffer of at least `nbytes` for one call at a time (memory that is not in a
         shared buffer goes through it), or None when lending does not work or it is busy.

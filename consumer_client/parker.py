@@ -24,10 +24,11 @@ exceptions are for misuse and misconfiguration, as for loads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -68,6 +69,7 @@ from ._park import (
     prepare,
     prepare_all,
 )
+from ._park_route import BatchRoute
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
 
 PARK_METHOD = SERVICE + "Park"
@@ -244,8 +246,11 @@ class KVParker(ClientBase):
         kid = valid_id(kv_request_id)
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
         outcome = _outcome(self._core, kid, timeout)
+        read_info_before_lending(self._core, self.server_info, timeout)
+        shm = self._core.shm if self._core.uses_shm else None
+        route = BatchRoute(frames, shm, can_lend=True)
         _, park = self._stubs()
-        return self._core.start_call(ParkBatch, park, self._core.channel.metadata, frames, outcome)
+        return self._core.start_call(ParkBatch, park, self._core.channel.metadata, route, outcome)
 
     def release(
         self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
@@ -281,32 +286,44 @@ class KVParker(ClientBase):
 
 class ParkBatch:
     """One streaming Park call (made by `KVParker.batch`). `put` sends a chunk; leaving the
-    `with` block commits it, or undoes it when the block raised."""
+    `with` block commits it, or undoes it when the block raised. Chunks in one of the parker's
+    shared buffers go by reference (kvpark/client/_park_route.py)."""
 
-    def __init__(self, park: Any, metadata: Any, frames: ParkFrames, outcome: ParkOutcome) -> None:
-        self._frames = frames
+    def __init__(self, park: Any, metadata: Any, route: BatchRoute, outcome: ParkOutcome) -> None:
+        self._park = park
+        self._metadata = metadata
+        self._route = route
         self._outcome = outcome
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_BATCH_QUEUE_FRAMES)
         self._ended = False
         self.result: ParkResult | None = None
-        self._future = park.future(
-            self._requests(), timeout=outcome.remaining_s(), metadata=metadata
+        self._start()
+        if route.header_at_start is not None:
+            self._queue.put(route.header_at_start)
+
+    def _start(self) -> None:
+        """Starts the call, its frames read from a queue of their own."""
+        frames: queue.Queue[Any] = queue.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._queue = frames
+        self._future = self._park.future(
+            _queued(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
         )
         # An early answer (a refusal) stops grpc from reading our frames: empty the queue so
         # that a `put` blocked on it returns and sees the answer.
-        self._future.add_done_callback(lambda _: self._drain())
+        self._future.add_done_callback(lambda _: _drain(frames))
 
-    def _requests(self) -> Iterator[bytes]:
-        yield self._frames.header
-        while (frame := self._queue.get()) is not _END:
-            yield frame
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+    def _went_inline(self) -> bool:
+        """After the call ended: True when it was the producer refusing the lent buffer, and
+        a new call now carries every chunk put so far inline."""
+        if not self._future.done() or self._future.cancelled():
+            return False
+        failure = self._future.exception()
+        if not isinstance(failure, grpc.RpcError) or not self._route.may_go_inline(failure.code()):
+            return False
+        _end(self._queue)
+        self._start()
+        for frame in self._route.inline():
+            self._queue.put(frame)
+        return True
 
     @property
     def done(self) -> bool:
@@ -316,22 +333,27 @@ class ParkBatch:
     def put(self, chunk_id: int, payload: Any) -> bool:
         """Sends one chunk (a buffer, or a list of buffers sent as one chunk); blocks while
         the transport is behind. False when the producer already ended the batch: stop
-        producing and read `result` after the block."""
+        producing and read `result` after the block. A chunk in one of this parker's shared
+        buffers goes by reference: the producer copies it after `put` returns, so leave those
+        bytes unchanged until the batch is committed."""
         if self._ended:
             raise UsageError("put on a batch that was already committed or undone")
         chunk = prepare(chunk_id, payload)
-        if self._future.done():
+        if self._future.done() and not self._went_inline():
             return False
-        self._queue.put(self._frames.chunk(chunk))
-        return not self._future.done()
+        for frame in self._route.frames_for(chunk):
+            self._queue.put(frame)
+        return not self._future.done() or self._went_inline()
 
     def commit(self) -> ParkResult:
         """Sends the commit and waits for the producer's answer (done by a clean `with` exit)."""
         if self._ended:
             raise UsageError("the batch was already committed or undone")
         self._ended = True
+        if not self._route.started:
+            self._queue.put(self._route.opening())
         if not self._future.done():
-            self._queue.put(self._frames.commit())
+            self._queue.put(self._route.frames.commit())
             self._queue.put(_END)
         return self._finish()
 
@@ -340,16 +362,21 @@ class ParkBatch:
         if not self._ended:
             self._ended = True
             self._future.cancel()
-            self._drain()
-            self._queue.put_nowait(_END)
+            _end(self._queue)
 
     def _finish(self) -> ParkResult:
-        try:
-            raw = self._future.result()
-            self.result = self._outcome.answered(pb.ParkResponse.FromString(raw))
-        except grpc.RpcError as exc:
-            self.result = self._outcome.failed(exc.code(), exc.details() or "")
-        return self.result
+        while True:
+            try:
+                raw = self._future.result()
+                reply = pb.ParkResponse.FromString(raw)
+                self.result = self._outcome.answered(reply, self._route.transport)
+            except grpc.RpcError as exc:
+                if self._went_inline():
+                    self._queue.put(self._route.frames.commit())
+                    self._queue.put(_END)
+                    continue
+                self.result = self._outcome.failed(exc.code(), exc.details() or "")
+            return self.result
 
     def __enter__(self) -> ParkBatch:
         return self
@@ -363,6 +390,25 @@ class ParkBatch:
                 self.commit()
         else:
             self.abort()
+
+
+def _queued(frames: queue.Queue[Any]) -> Iterator[bytes]:
+    while (frame := frames.get()) is not _END:
+        yield frame
+
+
+def _drain(frames: queue.Queue[Any]) -> None:
+    while True:
+        try:
+            frames.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _end(frames: queue.Queue[Any]) -> None:
+    """Lets the request iterator of a call that ended finish."""
+    _drain(frames)
+    frames.put_nowait(_END)
 
 
 # ==================================================================================== async
@@ -489,8 +535,13 @@ class AsyncKVParker(ClientBase):
         kid = valid_id(kv_request_id)
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
         outcome = _outcome(self._core, kid, timeout)
+        shm = self._core.shm if self._core.uses_shm else None
+        route = BatchRoute(frames, shm, can_lend=not self._core.lends_blind())
         _, park = self._stubs()
-        return AsyncParkBatch(park, self._core.channel.metadata, frames, outcome)
+        # Lending may need the producer's epoch first: read before the first chunk is routed.
+        core, info = self._core, self.server_info
+        lending = functools.partial(aread_info_before_lending, core, info, timeout)
+        return AsyncParkBatch(park, self._core.channel.metadata, route, outcome, lending)
 
     async def release(
         self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
@@ -526,23 +577,49 @@ class AsyncParkBatch:
     """One streaming Park call (made by `AsyncKVParker.batch`): `await put(...)`; leaving the
     `async with` block commits it, or undoes it when the block raised."""
 
-    def __init__(self, park: Any, metadata: Any, frames: ParkFrames, outcome: ParkOutcome) -> None:
-        self._frames = frames
+    def __init__(
+        self,
+        park: Any,
+        metadata: Any,
+        route: BatchRoute,
+        outcome: ParkOutcome,
+        before_first_put: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
+        self._park = park
+        self._metadata = metadata
+        self._route = route
         self._outcome = outcome
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._before_first_put = before_first_put
         self._ended = False
         self.result: ParkResult | None = None
-        self._call = park(self._requests(), timeout=outcome.remaining_s(), metadata=metadata)
-        self._call.add_done_callback(lambda _: self._drain())
+        self._start()
+        if route.header_at_start is not None:
+            self._queue.put_nowait(route.header_at_start)
 
-    async def _requests(self) -> AsyncIterator[bytes]:
-        yield self._frames.header
-        while (frame := await self._queue.get()) is not _END:
-            yield frame
+    def _start(self) -> None:
+        frames: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._queue = frames
+        self._call = self._park(
+            _aqueued(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
+        )
+        self._call.add_done_callback(lambda _: _adrain(frames))
 
-    def _drain(self) -> None:
-        while not self._queue.empty():
-            self._queue.get_nowait()
+    async def _went_inline(self) -> bool:
+        """As `ParkBatch._went_inline`."""
+        if not self._call.done() or self._call.cancelled():
+            return False
+        try:
+            await self._call
+            return False
+        except grpc.aio.AioRpcError as exc:
+            if not self._route.may_go_inline(exc.code()):
+                return False
+        _adrain(self._queue)
+        self._queue.put_nowait(_END)
+        self._start()
+        for frame in self._route.inline():
+            await self._queue.put(frame)
+        return True
 
     @property
     def done(self) -> bool:
@@ -553,32 +630,43 @@ class AsyncParkBatch:
         if self._ended:
             raise UsageError("put on a batch that was already committed or undone")
         chunk = prepare(chunk_id, payload)
-        if self._call.done():
+        if self._call.done() and not await self._went_inline():
             return False
-        await self._queue.put(self._frames.chunk(chunk))
-        return not self._call.done()
+        if not self._route.started and self._before_first_put is not None:
+            await self._before_first_put()
+        for frame in self._route.frames_for(chunk):
+            await self._queue.put(frame)
+        return not self._call.done() or await self._went_inline()
 
     async def commit(self) -> ParkResult:
         """Sends the commit and waits for the producer's answer (done by a clean exit)."""
         if self._ended:
             raise UsageError("the batch was already committed or undone")
         self._ended = True
+        if not self._route.started:
+            await self._queue.put(self._route.opening())
         if not self._call.done():
-            await self._queue.put(self._frames.commit())
+            await self._queue.put(self._route.frames.commit())
             await self._queue.put(_END)
-        try:
-            raw = await self._call
-            self.result = self._outcome.answered(pb.ParkResponse.FromString(raw))
-        except grpc.aio.AioRpcError as exc:
-            self.result = self._outcome.failed(exc.code(), exc.details() or "")
-        return self.result
+        while True:
+            try:
+                raw = await self._call
+                reply = pb.ParkResponse.FromString(raw)
+                self.result = self._outcome.answered(reply, self._route.transport)
+            except grpc.aio.AioRpcError as exc:
+                if await self._went_inline():
+                    await self._queue.put(self._route.frames.commit())
+                    await self._queue.put(_END)
+                    continue
+                self.result = self._outcome.failed(exc.code(), exc.details() or "")
+            return self.result
 
     def abort(self) -> None:
         """Undoes the batch: no commit is sent and the call is cancelled."""
         if not self._ended:
             self._ended = True
             self._call.cancel()
-            self._drain()
+            _adrain(self._queue)
             self._queue.put_nowait(_END)
 
     async def __aenter__(self) -> AsyncParkBatch:
@@ -593,3 +681,13 @@ class AsyncParkBatch:
                 await self.commit()
         else:
             self.abort()
+
+
+async def _aqueued(frames: asyncio.Queue[Any]) -> AsyncIterator[bytes]:
+    while (frame := await frames.get()) is not _END:
+        yield frame
+
+
+def _adrain(frames: asyncio.Queue[Any]) -> None:
+    while not frames.empty():
+        frames.get_nowait()

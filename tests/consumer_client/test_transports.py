@@ -27,7 +27,15 @@ import numpy as np
 import pytest
 from conftest import MiB, running_producer, wait_until
 
-from kvpark import AsyncKVConsumer, BufferTooSmallError, KVConsumer, KVParker, Reason, wire
+from kvpark import (
+    AsyncKVConsumer,
+    AsyncKVParker,
+    BufferTooSmallError,
+    KVConsumer,
+    KVParker,
+    Reason,
+    wire,
+)
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
@@ -603,4 +611,137 @@ async def test_an_shm_park_cut_off_mid_copy_gives_every_page_and_the_lend_back(
         await wait_until(lambda: server.lot.statistics().pending_bytes == 0, what="no fills")
         assert server.shm is not None
         await wait_until(lambda: server.shm.lend_count == 0, what="the lend released")
+        server.lot.check_invariants()
+
+
+# ============================================================= streaming batches by reference
+def kind_of(frame: bytes) -> str:
+    """A Park message's kind; "shm header" for a header that names a lent buffer."""
+    message = pb.ParkRequest.FromString(frame)
+    kind = str(message.WhichOneof("kind"))
+    return "shm header" if kind == "header" and message.header.shm_lend_id else kind
+
+
+class ParkFrames(grpc.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    """The kinds of Park messages a sync parker sends."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        def recorded() -> Any:
+            for frame in requests:
+                self.kinds.append(kind_of(frame))
+                yield frame
+
+        return continuation(details, recorded())
+
+
+class AsyncParkFrames(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    """The kinds of Park messages an async parker sends."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        async def recorded() -> Any:
+            async for frame in requests:
+                self.kinds.append(kind_of(frame))
+                yield frame
+
+        return await continuation(details, recorded())
+
+
+def parker_for(flavour: str, target: str) -> tuple[Any, Any]:
+    """A parker of the flavour, and the recorder of the Park messages it sends."""
+    if flavour == "sync":
+        frames: Any = ParkFrames()
+        return KVParker(target, interceptors=[frames]), frames
+    frames = AsyncParkFrames()
+    return AsyncKVParker(target, interceptors=[frames]), frames
+
+
+async def put_all(flavour: str, parker: Any, kid: str, pieces: list[Any]) -> Any:
+    """Parks `pieces` through one streaming batch, sync (in a thread) or async."""
+    if flavour == "async":
+        async with parker.batch(kid, total_chunks=len(pieces)) as batch:
+            for cid, piece in enumerate(pieces):
+                assert await batch.put(cid, piece)
+        return batch.result
+
+    def run() -> Any:
+        with parker.batch(kid, total_chunks=len(pieces)) as batch:
+            for cid, piece in enumerate(pieces):
+                assert batch.put(cid, piece)
+        return batch.result
+
+    return await in_thread(run)
+
+
+def load_back(target: str, kid: str, n: int) -> bytes:
+    into = np.zeros(n * CHUNK, np.uint8)
+    with KVConsumer(target, transport="grpc") as consumer:
+        loaded = consumer.load(kid, num_chunks=n, into=into)
+        assert loaded.ok, loaded
+    return into.tobytes()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_streaming_batch_from_a_shared_buffer_goes_by_reference(
+    flavour: str, shm_socket: str
+) -> None:
+    """Chunks put from a shared buffer go as ChunkRefs (the producer copies them from the
+    buffer); a chunk from elsewhere goes inline in the same call."""
+    data = chunks(4, seed=21)
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        parker, frames = parker_for(flavour, server.target)
+        try:
+            kv = parker.shared_buffer(3 * CHUNK)
+            kv[:] = np.frombuffer(joined(data[:3]), np.uint8)
+            pieces = [kv[i * CHUNK : (i + 1) * CHUNK] for i in range(3)] + [data[3]]
+            result = await put_all(flavour, parker, "streamed", pieces)
+        finally:
+            await parker.aclose() if flavour == "async" else parker.close()
+        assert result.ok and result.transport == "shm", result
+        assert (result.chunks_parked, result.bytes_parked) == (4, 4 * CHUNK)
+        assert frames.kinds == ["shm header", *["chunk_refs"] * 3, "chunk", "commit"]
+        assert await in_thread(load_back, server.target, "streamed", 4) == joined(data)
+        server.lot.check_invariants()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_batch_whose_lend_the_producer_dropped_goes_inline_within_the_batch(
+    flavour: str, shm_socket: str
+) -> None:
+    """The producer no longer holds the buffer the batch's header names (ended on its side,
+    as after a restart): it refuses the header, and the batch sends every chunk put so far
+    inline on a new call, then the rest, and commits: nothing is lost."""
+    data = chunks(3, seed=22)
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        parker, frames = parker_for(flavour, server.target)
+        try:
+            kv = parker.shared_buffer(3 * CHUNK)
+            kv[:] = np.frombuffer(joined(data), np.uint8)
+            pieces = [kv[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
+            first = await put_all(flavour, parker, "first", pieces)
+            assert first.ok and first.transport == "shm", first
+            found = parker._core.shm.lend_of(kv)  # the client still counts on this lend
+            assert found is not None and server.shm is not None
+            lent = server.shm.get(found[0], PARK_ROLE)
+            assert lent is not None
+            lent.end()
+            frames.kinds.clear()
+            result = await put_all(flavour, parker, "second", pieces)
+        finally:
+            await parker.aclose() if flavour == "async" else parker.close()
+        assert result.ok and result.transport == "grpc", result
+        assert (result.chunks_parked, result.bytes_parked) == (3, 3 * CHUNK)
+        # The refused call began with a header naming the lend (and whatever followed before
+        # the refusal came back, which the producer no longer read); the second call sent
+        # every chunk inline.
+        refused, inline = frames.kinds[:-5], frames.kinds[-5:]
+        assert refused[0] == "shm header", frames.kinds
+        assert set(refused[1:]) <= {"chunk_refs", "commit"}, frames.kinds
+        assert inline == ["header", "chunk", "chunk", "chunk", "commit"], frames.kinds
+        assert await in_thread(load_back, server.target, "second", 3) == joined(data)
         server.lot.check_invariants()

@@ -1,0 +1,97 @@
+"""Where the chunks of a streaming Park batch (`KVParker.batch`) go, chunk by chunk: by
+reference when a chunk lies in one of the parker's shared buffers (the producer copies it
+from there, one copy per byte), inline in the call otherwise. Shared by the sync and the async
+batch; no gRPC calls.
+
+The header must name the lent buffer before the first chunk, and it goes out when the batch
+starts, so that a refusal (RELEASED, POOL_FULL for `batch_bytes`) reaches the caller before it
+produces any chunk. That works when the choice needs no chunk: a parker with no shared buffer
+sends chunks inline, and one with a single shared buffer names that one. A parker with several
+shared buffers (or, for the async parker, one that has not yet learnt the producer's epoch it
+checks the socket against) learns which buffer the batch refers to only from the first `put`,
+so its header goes with that chunk; chunks elsewhere go inline. A producer that does not
+hold the lend (it restarted since the buffer was lent) refuses the header with
+INVALID_ARGUMENT before taking any chunk; the batch then starts a new call and sends every
+chunk put so far inline (`inline`), so the fallback to the gRPC stream happens within the
+batch, as for `park()`. Chunks that went by reference are still in the caller's shared buffer
+then (a put from a shared buffer asks the caller to leave those bytes alone until the commit);
+inline chunks are resent from the frames already built, since the caller may have reused
+their memory after `put` returned.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ._park import ParkFrames, PreparedChunk
+from ._shm import ShmAccess
+
+
+class BatchRoute:
+    def __init__(self, frames: ParkFrames, shm: ShmAccess | None, *, can_lend: bool) -> None:
+        """`can_lend`: lending may start now (the producer's epoch is known, or unneeded)."""
+        self.frames = frames
+        self._shm = shm
+        self._started = False
+        # While the header names a lend: every chunk put, with its inline frame when it went
+        # inline, to resend if the producer refuses the lend.
+        self._sent: list[tuple[PreparedChunk, bytes | None]] = []
+        self.header_at_start: bytes | None = None  # the header, when it can go at once
+        if shm is None or not shm.has_buffers:
+            self.header_at_start = self.opening()
+        elif can_lend and (lend_id := shm.sole_lend()) is not None:
+            frames.lend_id = lend_id
+            self.header_at_start = self.opening()
+
+    @property
+    def transport(self) -> str:
+        """What carried the batch's bytes: "shm" when its header named a lent buffer."""
+        return "shm" if self.frames.lend_id else "grpc"
+
+    def frames_for(self, chunk: PreparedChunk) -> list[bytes]:
+        """The frames that send `chunk`, the header first on the first call."""
+        found = None
+        if self._shm is not None and len(chunk.parts) == 1:
+            found = self._shm.lend_of(chunk.parts[0])
+        out = []
+        if not self._started:
+            if found is not None:
+                self.frames.lend_id = found[0]
+            out.append(self.opening())
+        if found is not None and found[0] == self.frames.lend_id:
+            out.append(self.frames.chunk_refs([(chunk, found[2])]))
+            self._sent.append((chunk, None))
+        else:
+            frame = self.frames.chunk(chunk)
+            out.append(frame)
+            if self.frames.lend_id:
+                self._sent.append((chunk, frame))
+        return out
+
+    def opening(self) -> bytes:
+        """The header (once): sent with the first chunk, or by a commit of no chunks."""
+        self._started = True
+        return self.frames.header
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def may_go_inline(self, code: grpc.StatusCode | None) -> bool:
+        """Whether a call that ended with `code` is the producer refusing the lent buffer
+        (to be answered by `inline`), once per batch."""
+        return bool(self.frames.lend_id) and code == grpc.StatusCode.INVALID_ARGUMENT
+
+    def inline(self) -> list[bytes]:
+        """The frames of a new call that sends every chunk put so far inline."""
+        old = self.frames
+        self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
+        out = [self.frames.header]
+        for chunk, frame in self._sent:
+            if frame is None:
+                out.append(self.frames.chunk(chunk))
+            else:
+                self.frames.count(chunk)
+                out.append(frame)
+        self._sent = []
+        return out
