@@ -9,7 +9,9 @@ produces any chunk. That works when the choice needs no chunk: a parker with no 
 sends chunks inline, and one with a single shared buffer names that one. A parker with several
 shared buffers (or, for the async parker, one that has not yet learnt the producer's epoch it
 checks the socket against) learns which buffer the batch refers to only from the first `put`,
-so its header goes with that chunk; chunks elsewhere go inline. A producer that does not
+so its header goes with that chunk; chunks elsewhere go inline. References go out in groups
+of up to 64 chunks or 16 MiB, the last with the commit, as `park()` sends them: the
+producer's cost is per message. A producer that does not
 hold the lend (it restarted since the buffer was lent) refuses the header with
 INVALID_ARGUMENT before taking any chunk; the batch then starts a new call and sends every
 chunk put so far inline (`inline`), so the fallback to the gRPC stream happens within the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import grpc
 
-from ._park import ParkFrames, PreparedChunk
+from ._park import REFS_MESSAGE_BYTES, REFS_PER_MESSAGE, ParkFrames, PreparedChunk
 from ._shm import ShmAccess
 
 
@@ -36,6 +38,10 @@ class BatchRoute:
         # While the header names a lend: every chunk put, with its inline frame when it went
         # inline, to resend if the producer refuses the lend.
         self._sent: list[tuple[PreparedChunk, bytes | None]] = []
+        # References put and not yet sent: they go in groups, as `park()` sends them, since
+        # the producer's cost is per message (a read, a copy job), not per chunk.
+        self._group: list[tuple[PreparedChunk, int]] = []
+        self._group_bytes = 0
         self.header_at_start: bytes | None = None  # the header, when it can go at once
         if shm is None or not shm.has_buffers:
             self.header_at_start = self.opening()
@@ -59,14 +65,25 @@ class BatchRoute:
                 self.frames.lend_id = found[0]
             out.append(self.opening())
         if found is not None and found[0] == self.frames.lend_id:
-            out.append(self.frames.chunk_refs([(chunk, found[2])]))
             self._sent.append((chunk, None))
+            self._group.append((chunk, found[2]))
+            self._group_bytes += chunk.nbytes
+            if len(self._group) == REFS_PER_MESSAGE or self._group_bytes >= REFS_MESSAGE_BYTES:
+                out += self.flush()
         else:
             frame = self.frames.chunk(chunk)
             out.append(frame)
             if self.frames.lend_id:
                 self._sent.append((chunk, frame))
         return out
+
+    def flush(self) -> list[bytes]:
+        """The references put but not yet sent, as one message (before the commit)."""
+        if not self._group:
+            return []
+        frame = self.frames.chunk_refs(self._group)
+        self._group, self._group_bytes = [], 0
+        return [frame]
 
     def opening(self) -> bytes:
         """The header (once): sent with the first chunk, or by a commit of no chunks."""
@@ -87,6 +104,7 @@ class BatchRoute:
         old = self.frames
         self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
         out = [self.frames.header]
+        self._group, self._group_bytes = [], 0  # sent inline below, with the rest
         for chunk, frame in self._sent:
             if frame is None:
                 out.append(self.frames.chunk(chunk))

@@ -353,6 +353,8 @@ class ParkBatch:
         if not self._route.started:
             self._queue.put(self._route.opening())
         if not self._future.done():
+            for frame in self._route.flush():
+                self._queue.put(frame)
             self._queue.put(self._route.frames.commit())
             self._queue.put(_END)
         return self._finish()
@@ -646,6 +648,8 @@ class AsyncParkBatch:
         if not self._route.started:
             await self._queue.put(self._route.opening())
         if not self._call.done():
+            for frame in self._route.flush():
+                await self._queue.put(frame)
             await self._queue.put(self._route.frames.commit())
             await self._queue.put(_END)
         while True:

@@ -704,7 +704,8 @@ async def test_a_streaming_batch_from_a_shared_buffer_goes_by_reference(
             await parker.aclose() if flavour == "async" else parker.close()
         assert result.ok and result.transport == "shm", result
         assert (result.chunks_parked, result.bytes_parked) == (4, 4 * CHUNK)
-        assert frames.kinds == ["shm header", *["chunk_refs"] * 3, "chunk", "commit"]
+        # The references in one group (sent with the commit), the other chunk inline.
+        assert frames.kinds == ["shm header", "chunk", "chunk_refs", "commit"]
         assert await in_thread(load_back, server.target, "streamed", 4) == joined(data)
         server.lot.check_invariants()
 
@@ -744,4 +745,28 @@ async def test_a_batch_whose_lend_the_producer_dropped_goes_inline_within_the_ba
         assert set(refused[1:]) <= {"chunk_refs", "commit"}, frames.kinds
         assert inline == ["header", "chunk", "chunk", "chunk", "commit"], frames.kinds
         assert await in_thread(load_back, server.target, "second", 3) == joined(data)
+        server.lot.check_invariants()
+
+
+async def test_a_streaming_batch_sends_its_references_in_groups(shm_socket: str) -> None:
+    """References go 64 to a message (the producer's cost is per message), the rest with the
+    commit; every chunk is kept."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        parker, frames = parker_for("sync", server.target)
+        with parker:
+            kv = parker.shared_buffer(70 * 4096)
+            kv[:] = np.random.default_rng(23).integers(0, 256, kv.size, dtype=np.uint8)
+            pieces = [kv[i * 4096 : (i + 1) * 4096] for i in range(70)]
+            result = await put_all("sync", parker, "grouped", pieces)
+            expected = kv.tobytes()
+        assert result.ok and result.chunks_parked == 70, result
+        assert frames.kinds == ["shm header", "chunk_refs", "chunk_refs", "commit"]
+
+        def load() -> bytes:
+            into = np.zeros(70 * 4096, np.uint8)
+            with KVConsumer(server.target, transport="grpc") as consumer:
+                assert consumer.load("grouped", num_chunks=70, into=into).ok
+            return into.tobytes()
+
+        assert await in_thread(load) == expected
         server.lot.check_invariants()
