@@ -102,6 +102,8 @@ class BatchRoute:
     def inline(self) -> list[bytes]:
         """The frames of a new call that sends every chunk put so far inline."""
         old = self.frames
+        if self._shm is not None:
+            self._shm.settle(old.lend_id)  # forgotten here too: the next use lends it anew
         self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
         out = [self.frames.header]
         self._group, self._group_bytes = [], 0  # sent inline below, with the rest

@@ -119,11 +119,12 @@ class ShmAccess:
             self._staging_busy = False
 
     def settle(self, lend_id: str) -> None:
-        """After a Fetch into `lend_id` was cut off (timeout, cancel): ends that lend and
-        returns once the producer says no call copies into it any more, so the caller may
-        reuse the memory without a late copy landing in it. The buffer is lent again on its
-        next use. When the producer cannot say so in time, the client's connection is closed
-        and the fact logged: the producer may then still finish one copy into the buffer."""
+        """After a Fetch into `lend_id` was cut off (timeout, cancel), or a Park naming it
+        was refused (the producer no longer holds it): ends that lend and returns once the
+        producer says no call copies into or out of it any more, so the caller may reuse the
+        memory without a late copy landing in it. The buffer is lent again on its next use.
+        When the producer cannot say so in time, the client's connection is closed and the
+        fact logged: the producer may then still finish one copy into the buffer."""
         with self._lock:
             for key, known in list(self._lends.items()):
                 if known == lend_id:
@@ -134,7 +135,7 @@ class ShmAccess:
         try:
             lender.release(lend_id)
         except ShmUnavailable as exc:
-            log.warning("kvpark: a cut-off Fetch into lent memory did not settle: %s", exc)
+            log.warning("kvpark: a lend that a call stopped using did not settle: %s", exc)
 
     # ------------------------------------------------------------------------------ lending
     def _lend(self, buffer: SharedBuffer) -> str | None:

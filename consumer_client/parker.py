@@ -203,6 +203,7 @@ class KVParker(ClientBase):
                 frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
                 result = self._call(outcome, iter(batch_frames(frames, prepared, plan)), plan)
                 if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+                    self._core.shm.settle(plan.lend_id)  # the next park lends it anew
                     self._unplan(plan)
                     plan = None  # the producer holds no such lend: inline
                     continue
@@ -496,6 +497,7 @@ class AsyncKVParker(ClientBase):
 
                 result = await self._call(outcome, requests(), plan)
                 if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+                    self._core.shm.settle(plan.lend_id)  # the next park lends it anew
                     if plan.staged:
                         self._core.shm.unstage()
                     plan = None  # the producer holds no such lend: inline

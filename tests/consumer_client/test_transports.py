@@ -716,7 +716,8 @@ async def test_a_batch_whose_lend_the_producer_dropped_goes_inline_within_the_ba
 ) -> None:
     """The producer no longer holds the buffer the batch's header names (ended on its side,
     as after a restart): it refuses the header, and the batch sends every chunk put so far
-    inline on a new call, then the rest, and commits: nothing is lost."""
+    inline on a new call, then the rest, and commits: nothing is lost. The next batch lends
+    the buffer anew and goes by reference again."""
     data = chunks(3, seed=22)
     async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
         parker, frames = parker_for(flavour, server.target)
@@ -733,6 +734,11 @@ async def test_a_batch_whose_lend_the_producer_dropped_goes_inline_within_the_ba
             lent.end()
             frames.kinds.clear()
             result = await put_all(flavour, parker, "second", pieces)
+            # The refused lend was forgotten: the next batch lends the buffer anew.
+            third = await put_all(flavour, parker, "third", pieces)
+            assert third.ok and third.transport == "shm", third
+            assert frames.kinds[-3:] == ["shm header", "chunk_refs", "commit"], frames.kinds
+            del frames.kinds[-3:]
         finally:
             await parker.aclose() if flavour == "async" else parker.close()
         assert result.ok and result.transport == "grpc", result
