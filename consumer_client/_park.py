@@ -212,15 +212,16 @@ class ParkFrames:
         self.chunks += 1
         self.nbytes += chunk.nbytes
 
-    def chunk_refs(self, placed: Sequence[tuple[PreparedChunk, int]]) -> bytes:
+    def chunk_refs(
+        self, placed: Sequence[tuple[PreparedChunk, int]], crcs: Sequence[int] | None = None
+    ) -> bytes:
         """Chunks already in the lent buffer, each at its offset: only where they are and
-        their CRC32C."""
+        their CRC32C (`crcs`, when computed before, else now)."""
         refs = pb.ChunkRefs()
-        for chunk, offset in placed:
+        for i, (chunk, offset) in enumerate(placed):
             self.count(chunk)
-            refs.refs.add(
-                chunk_id=chunk.chunk_id, crc32c=crc_of(chunk), offset=offset, nbytes=chunk.nbytes
-            )
+            crc = crc_of(chunk) if crcs is None else crcs[i]
+            refs.refs.add(chunk_id=chunk.chunk_id, crc32c=crc, offset=offset, nbytes=chunk.nbytes)
         return pb.ParkRequest(chunk_refs=refs).SerializeToString()
 
     def commit(self) -> bytes:

@@ -24,6 +24,7 @@ exceptions are for misuse and misconfiguration, as for loads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
 import threading
@@ -299,37 +300,41 @@ class ParkBatch:
         self.result: ParkResult | None = None
         self._start()
         if route.header_at_start is not None:
-            self._queue.put(route.header_at_start)
+            self._frames.send(route.header_at_start)
 
     def _start(self) -> None:
         """Starts the call, its frames read from a queue of their own."""
-        frames: queue.Queue[Any] = queue.Queue(maxsize=_BATCH_QUEUE_FRAMES)
-        self._queue = frames
+        frames = _CallFrames()
+        self._frames = frames
         self._future = self._park.future(
-            _queued(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
+            iter(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
         )
-        # An early answer (a refusal) stops grpc from reading our frames: empty the queue so
-        # that a `put` blocked on it returns and sees the answer.
-        self._future.add_done_callback(lambda _: _drain(frames))
+        # Once the call ended (a refusal, a deadline), grpc reads no more frames: the queue
+        # drops them from then on, so no `put` waits for a reader that is gone.
+        self._future.add_done_callback(lambda _: frames.close())
 
-    def _went_inline(self) -> bool:
-        """After the call ended: True when it was the producer refusing the lent buffer, and
-        a new call now carries every chunk put so far inline."""
+    def _lend_refused(self) -> bool:
+        """The call ended with the producer refusing the lend, and the batch can go on
+        inline."""
         if not self._future.done() or self._future.cancelled():
             return False
         failure = self._future.exception()
-        if not isinstance(failure, grpc.RpcError) or not self._route.may_go_inline(failure.code()):
+        return isinstance(failure, grpc.RpcError) and self._route.may_go_inline(failure.code())
+
+    def _went_inline(self) -> bool:
+        """After a refused lend: a new call now carries every chunk put so far inline."""
+        if not self._lend_refused():
             return False
-        _end(self._queue)
+        self._route.forget_lend()
         self._start()
         for frame in self._route.inline():
-            self._queue.put(frame)
+            self._frames.send(frame)
         return True
 
     @property
     def done(self) -> bool:
         """True once the producer answered (a refusal ends a batch before its commit)."""
-        return bool(self._future.done())
+        return bool(self._future.done()) and not self._lend_refused()
 
     def put(self, chunk_id: int, payload: Any) -> bool:
         """Sends one chunk (a buffer, or a list of buffers sent as one chunk); blocks while
@@ -343,7 +348,7 @@ class ParkBatch:
         if self._future.done() and not self._went_inline():
             return False
         for frame in self._route.frames_for(chunk):
-            self._queue.put(frame)
+            self._frames.send(frame)
         return not self._future.done() or self._went_inline()
 
     def commit(self) -> ParkResult:
@@ -352,34 +357,30 @@ class ParkBatch:
             raise UsageError("the batch was already committed or undone")
         self._ended = True
         if not self._route.started:
-            self._queue.put(self._route.opening())
-        if not self._future.done():
-            for frame in self._route.flush():
-                self._queue.put(frame)
-            self._queue.put(self._route.frames.commit())
-            self._queue.put(_END)
-        return self._finish()
+            self._frames.send(self._route.opening())
+        try:
+            while True:
+                for frame in [*self._route.flush(), self._route.frames.commit()]:
+                    self._frames.send(frame)
+                self._frames.send(_END)
+                try:
+                    raw = self._future.result()
+                    self.result = self._route.answered(self._outcome, raw)
+                except grpc.RpcError as exc:
+                    if self._went_inline():
+                        continue
+                    self.result = self._route.failed(self._outcome, exc.code(), exc.details())
+                return self.result
+        finally:
+            self._route.finished()
 
     def abort(self) -> None:
         """Undoes the batch: no commit is sent and the call is cancelled."""
         if not self._ended:
             self._ended = True
             self._future.cancel()
-            _end(self._queue)
-
-    def _finish(self) -> ParkResult:
-        while True:
-            try:
-                raw = self._future.result()
-                reply = pb.ParkResponse.FromString(raw)
-                self.result = self._outcome.answered(reply, self._route.transport)
-            except grpc.RpcError as exc:
-                if self._went_inline():
-                    self._queue.put(self._route.frames.commit())
-                    self._queue.put(_END)
-                    continue
-                self.result = self._outcome.failed(exc.code(), exc.details() or "")
-            return self.result
+            self._frames.close()
+            self._route.finished()
 
     def __enter__(self) -> ParkBatch:
         return self
@@ -395,23 +396,33 @@ class ParkBatch:
             self.abort()
 
 
-def _queued(frames: queue.Queue[Any]) -> Iterator[bytes]:
-    while (frame := frames.get()) is not _END:
-        yield frame
+class _CallFrames:
+    """The frames of one streaming call, from the caller's thread to grpc's. `send` blocks
+    while the transport is behind; once the call ended (`close`, also after the last frame)
+    frames are dropped, so a sender never waits for a reader that is gone."""
 
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._closed = False
 
-def _drain(frames: queue.Queue[Any]) -> None:
-    while True:
-        try:
-            frames.get_nowait()
-        except queue.Empty:
-            return
+    def send(self, frame: Any) -> None:
+        """Queues a frame (or _END, the last)."""
+        if not self._closed:
+            self._queue.put(frame)  # a close meanwhile makes room: this returns
 
+    def close(self) -> None:
+        self._closed = True
+        while True:  # room for a send already waiting, and for the end marker
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(_END)
 
-def _end(frames: queue.Queue[Any]) -> None:
-    """Lets the request iterator of a call that ended finish."""
-    _drain(frames)
-    frames.put_nowait(_END)
+    def __iter__(self) -> Iterator[bytes]:
+        while (frame := self._queue.get()) is not _END:
+            yield frame
 
 
 # ==================================================================================== async
@@ -598,36 +609,50 @@ class AsyncParkBatch:
         self.result: ParkResult | None = None
         self._start()
         if route.header_at_start is not None:
-            self._queue.put_nowait(route.header_at_start)
+            self._frames.send_nowait(route.header_at_start)
 
     def _start(self) -> None:
-        frames: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
-        self._queue = frames
-        self._call = self._park(
-            _aqueued(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
+        frames = _AsyncCallFrames()
+        self._frames = frames
+        call = self._park(
+            aiter(frames), timeout=self._outcome.remaining_s(), metadata=self._metadata
         )
-        self._call.add_done_callback(lambda _: _adrain(frames))
+        self._call = call
+        # Whether the call ended refusing the lend: `done` must say so without awaiting, and
+        # a grpc.aio call tells its status only to an await.
+        self._refused: bool | None = None
+
+        def ended(_: Any) -> None:
+            frames.close()
+            self._noting = asyncio.ensure_future(self._note_status(call))
+
+        call.add_done_callback(ended)
+
+    async def _note_status(self, call: Any) -> None:
+        refused = call.cancelled() is False and self._route.may_go_inline(await call.code())
+        if call is self._call:
+            self._refused = refused
+
+    async def _lend_refused(self) -> bool:
+        """As `ParkBatch._lend_refused`."""
+        if not self._call.done() or self._call.cancelled():
+            return False
+        return self._route.may_go_inline(await self._call.code())
 
     async def _went_inline(self) -> bool:
         """As `ParkBatch._went_inline`."""
-        if not self._call.done() or self._call.cancelled():
+        if not await self._lend_refused():
             return False
-        try:
-            await self._call
-            return False
-        except grpc.aio.AioRpcError as exc:
-            if not self._route.may_go_inline(exc.code()):
-                return False
-        _adrain(self._queue)
-        self._queue.put_nowait(_END)
+        await asyncio.to_thread(self._route.forget_lend)
         self._start()
         for frame in self._route.inline():
-            await self._queue.put(frame)
+            await self._frames.send(frame)
         return True
 
     @property
     def done(self) -> bool:
-        return bool(self._call.done())
+        """As `ParkBatch.done` (False until the call's status is known)."""
+        return bool(self._call.done()) and self._refused is False
 
     async def put(self, chunk_id: int, payload: Any) -> bool:
         """As `ParkBatch.put`."""
@@ -639,7 +664,7 @@ class AsyncParkBatch:
         if not self._route.started and self._before_first_put is not None:
             await self._before_first_put()
         for frame in self._route.frames_for(chunk):
-            await self._queue.put(frame)
+            await self._frames.send(frame)
         return not self._call.done() or await self._went_inline()
 
     async def commit(self) -> ParkResult:
@@ -648,32 +673,30 @@ class AsyncParkBatch:
             raise UsageError("the batch was already committed or undone")
         self._ended = True
         if not self._route.started:
-            await self._queue.put(self._route.opening())
-        if not self._call.done():
-            for frame in self._route.flush():
-                await self._queue.put(frame)
-            await self._queue.put(self._route.frames.commit())
-            await self._queue.put(_END)
-        while True:
-            try:
-                raw = await self._call
-                reply = pb.ParkResponse.FromString(raw)
-                self.result = self._outcome.answered(reply, self._route.transport)
-            except grpc.aio.AioRpcError as exc:
-                if await self._went_inline():
-                    await self._queue.put(self._route.frames.commit())
-                    await self._queue.put(_END)
-                    continue
-                self.result = self._outcome.failed(exc.code(), exc.details() or "")
-            return self.result
+            await self._frames.send(self._route.opening())
+        try:
+            while True:
+                for frame in [*self._route.flush(), self._route.frames.commit()]:
+                    await self._frames.send(frame)
+                await self._frames.send(_END)
+                try:
+                    raw = await self._call
+                    self.result = self._route.answered(self._outcome, raw)
+                except grpc.aio.AioRpcError as exc:
+                    if await self._went_inline():
+                        continue
+                    self.result = self._route.failed(self._outcome, exc.code(), exc.details())
+                return self.result
+        finally:
+            self._route.finished()
 
     def abort(self) -> None:
         """Undoes the batch: no commit is sent and the call is cancelled."""
         if not self._ended:
             self._ended = True
             self._call.cancel()
-            _adrain(self._queue)
-            self._queue.put_nowait(_END)
+            self._frames.close()
+            self._route.finished()
 
     async def __aenter__(self) -> AsyncParkBatch:
         return self
@@ -689,11 +712,27 @@ class AsyncParkBatch:
             self.abort()
 
 
-async def _aqueued(frames: asyncio.Queue[Any]) -> AsyncIterator[bytes]:
-    while (frame := await frames.get()) is not _END:
-        yield frame
+class _AsyncCallFrames:
+    """As `_CallFrames`, on the event loop."""
 
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
+        self._closed = False
 
-def _adrain(frames: asyncio.Queue[Any]) -> None:
-    while not frames.empty():
-        frames.get_nowait()
+    async def send(self, frame: Any) -> None:
+        if not self._closed:
+            await self._queue.put(frame)  # a close meanwhile makes room: this returns
+
+    def send_nowait(self, frame: Any) -> None:
+        self._queue.put_nowait(frame)
+
+    def close(self) -> None:
+        self._closed = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(_END)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (frame := await self._queue.get()) is not _END:
+            yield frame

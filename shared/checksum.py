@@ -12,11 +12,9 @@ of the pool and numpy arrays, without copying, and releases the GIL while it run
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 import crc32c_rs as _crc32c
 
-IMPLEMENTATION = f"crc32c-rs {version('crc32c-rs')}"
+IMPLEMENTATION = f"crc32c-rs {_crc32c.__version__}"
 
 
 def crc32c_of(data: bytes | bytearray | memoryview, crc: int = 0) -> int:

@@ -13,7 +13,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import FakeClock, MiB, fetch_all, running_producer, stub_for, wait_until
+from conftest import (
+    FakeClock,
+    MiB,
+    fetch_all,
+    running_producer,
+    stub_for,
+    wait_for,
+    wait_until,
+)
 
 from kvpark import AsyncKVParker, KVParker, ParkResult, Reason, UsageError, wire
 from kvpark.checksum import crc32c_of
@@ -247,3 +255,42 @@ def test_chunk_refs_go_in_messages_of_at_most_64_chunks_and_16_mib() -> None:
     assert all(sum(r.nbytes for r in g) <= REFS_MESSAGE_BYTES for g in groups)
     assert [r.chunk_id for g in groups for r in g] == list(range(103))
     assert (frames.chunks, frames.nbytes) == (103, 3 * 12 * MiB + 100 * 4096)
+
+
+# ========================================================================= frames of a call
+def test_frames_for_a_call_that_ended_never_block_the_sender() -> None:
+    """A sender blocked on a full queue (the transport behind) is released when the call
+    ends, and every later frame is dropped instead of waiting for a reader that is gone."""
+    from kvpark.client.parker import _CallFrames
+
+    frames = _CallFrames()
+    sent = threading.Event()
+
+    def send_many() -> None:
+        for n in range(6):
+            frames.send(bytes([n]))
+        sent.set()
+
+    sender = threading.Thread(target=send_many, daemon=True)
+    sender.start()
+    wait_for(lambda: frames._queue.full(), what="the queue full: nobody reads")
+    assert not sent.is_set()  # the sender waits for room
+    frames.close()  # the call ended
+    assert sent.wait(10), "a send still waits after the call ended"
+    sender.join(10)
+
+
+async def test_async_frames_for_a_call_that_ended_never_block_the_sender() -> None:
+    from kvpark.client.parker import _AsyncCallFrames
+
+    frames = _AsyncCallFrames()
+
+    async def send_many() -> None:
+        for n in range(6):
+            await frames.send(bytes([n]))
+
+    sending = asyncio.ensure_future(send_many())
+    await wait_until(lambda: frames._queue.full(), what="the queue full: nobody reads")
+    assert not sending.done()  # the sender waits for room
+    frames.close()
+    await asyncio.wait_for(sending, 10)
