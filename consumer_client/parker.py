@@ -508,7 +508,8 @@ class AsyncKVParker(ClientBase):
 
                 result = await self._call(outcome, requests(), plan)
                 if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
-                    self._core.shm.settle(plan.lend_id)  # the next park lends it anew
+                    # The next park lends it anew; settling waits on the shm socket: off the loop.
+                    await asyncio.to_thread(self._core.shm.settle, plan.lend_id)
                     if plan.staged:
                         self._core.shm.unstage()
                     plan = None  # the producer holds no such lend: inline
