@@ -94,6 +94,12 @@ class LentBuffer:
         return self._mmap is not None
 
     @property
+    def held(self) -> bool:
+        """A call (or the prefault of a new lend) holds the mapping now."""
+        with self._lock:
+            return self._holds > 0
+
+    @property
     def idle(self) -> bool:
         """Ended, and no call holds it: nothing copies into or out of it any more."""
         with self._lock:

@@ -467,6 +467,8 @@ def test_a_lend_ends_with_its_connection(server: ShmLendingServer, lenders: Any)
         idle = server.get(lender.lend(buffer, "fetch"), "fetch")
         lent = server.get(kept, "fetch")
         assert lent is not None and idle is not None
+        # A new lend is held briefly while the producer maps its pages in (`_prefault`).
+        wait_for(lambda: not idle.held and not lent.held, what="the new lends prefaulted")
         with lent.acquire() as view:
             lender.close()  # the client goes away while the producer copies
             wait_for(lambda: server.lend_count == 0, what="the lends to end")
@@ -561,6 +563,7 @@ def test_stop_ends_everything(start_server: Any, lenders: Any) -> None:
     with SharedBuffer(MiB) as buffer:
         lent = server.get(lender.lend(buffer, "fetch"), "fetch")
         assert lent is not None
+        wait_for(lambda: not lent.held, what="the new lend prefaulted")
         server.stop()
         server.stop()
         assert not os.path.exists(server.path)
