@@ -3,10 +3,11 @@
 A worker creates one `ConsumerMetrics` (in its own registry, or the default one its /metrics
 endpoint already serves) and passes it to its clients or pool (`metrics=`). Every load is then
 counted by path and reason, with its bytes, its duration, its time to first chunk and its
-throughput; every fallback by reason with the chunks recomputed. The failure policy each load
-ran under is a label, and `kvpark_client_failure_policy` says which policy the worker runs with,
-so an operator sees both what happened and what was meant to happen. Nothing is estimated: each
-figure is read off the LoadResult the caller got.
+throughput; every fallback by reason with the chunks recomputed (counted when the load named
+its chunks: a load of "every chunk" that fails does not know how many the id has). The failure
+policy each load ran under is a label, and `kvpark_client_failure_policy` says which policy the
+worker runs with, so an operator sees both what happened and what was meant to happen. Nothing
+is estimated: each figure is read off the LoadResult the caller got.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class ConsumerMetrics:
             buckets=_BYTES_PER_SECOND, registry=r,
         )  # fmt: skip
         self.recomputed_chunks_total = Counter(
-            "kvpark_client_recomputed_chunks", "Chunks the engine recomputed after a fallback",
+            "kvpark_client_recomputed_chunks",
+            "Chunks the engine recomputed after a fallback, where the load named its chunks "
+            "(num_chunks or chunk_ids); a whole-id load's unloaded rest has no known length",
             registry=r,
         )  # fmt: skip
         self.fallbacks_total = Counter(

@@ -218,6 +218,10 @@ async def test_client_metrics_count_each_load_by_path_reason_and_policy() -> Non
                 missing = client.load_or_recompute(
                     "never-parked", num_chunks=3, recompute=recomputed.append, wait_timeout_s=0.1
                 )
+                # A whole-id load does not know how many chunks it misses: a fallback, no chunks.
+                client.load_or_recompute(
+                    "never-parked-whole", recompute=recomputed.append, wait_timeout_s=0.1
+                )
                 with pytest.raises(LoadFailedError) as failed:
                     client.load_or_recompute(
                         "never-parked-2", num_chunks=2, policy="fail", wait_timeout_s=0.1
@@ -227,21 +231,21 @@ async def test_client_metrics_count_each_load_by_path_reason_and_policy() -> Non
 
         remote, missing, failed, plain, recomputed = await in_thread(loads)
     assert remote.path is LoadPath.REMOTE and missing.path is LoadPath.RECOMPUTE
-    assert recomputed == [0], "policy='fail' recomputed something"
+    assert recomputed == [0, 0], "policy='fail' recomputed something"
     r = registry
     assert sample(r, "kvpark_client_loads_total", path="remote", reason="none",
                   policy="recompute") == 1  # fmt: skip
     reason = missing.reason.lower()
     assert sample(r, "kvpark_client_loads_total", path="recompute", reason=reason,
-                  policy="recompute") == 1  # fmt: skip
+                  policy="recompute") == 2  # fmt: skip
     assert sample(r, "kvpark_client_loads_total", path="recompute",
                   reason=failed.reason.lower(), policy="fail") == 1  # fmt: skip
     assert sample(r, "kvpark_client_loads_total", path=plain.path.value,
                   reason=(plain.reason or "none").lower(), policy="none") == 1  # fmt: skip
-    assert sample(r, "kvpark_client_fallbacks_total", reason=reason, policy="recompute") == 1
+    assert sample(r, "kvpark_client_fallbacks_total", reason=reason, policy="recompute") == 2
     assert sample(r, "kvpark_client_recomputed_chunks_total") == 3
     assert sample(r, "kvpark_client_loaded_bytes_total") == remote.result.bytes == 40_006
-    assert sample(r, "kvpark_client_load_seconds_count") == 4
+    assert sample(r, "kvpark_client_load_seconds_count") == 5
     assert sample(r, "kvpark_client_first_chunk_seconds_count") == 1
     assert sample(r, "kvpark_client_load_throughput_bytes_per_second_count") == 1
     assert sample(r, "kvpark_client_failure_policy", policy="recompute") == 1
