@@ -322,8 +322,7 @@ class AsyncKVConsumer(ClientBase):
         try:
             await self._stream(fetch, session)
         except Fallback as why:
-            log.info("kvpark: %s; loading %r over the gRPC stream", why, session.kv_request_id)
-            session = session.over_grpc()
+            session = self._core.fall_back(session, why)
             await self._stream(fetch, session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):

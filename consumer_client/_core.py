@@ -35,7 +35,7 @@ from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
 from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
-from ._shm import ShmAccess
+from ._shm import RETRY_AFTER_S, ShmAccess
 from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
 from .metrics import NO_POLICY, ConsumerMetrics
 
@@ -112,6 +112,8 @@ class ClientCore:
         self.info_pending = False
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        # Until when TCP is left out of the loads' offers, after its data connection failed.
+        self._tcp_down_until = 0.0
 
     @property
     def target(self) -> str:
@@ -136,6 +138,7 @@ class ClientCore:
                 self.info = info
         if info is not None:
             self.check_timeout(self.timeout)
+            self.check_transports(info)
             if info.max_chunk_bytes > self.channel.max_chunk_bytes:
                 self._warn_once(
                     "chunk-limit",
@@ -149,6 +152,7 @@ class ClientCore:
         with self._lock:
             self.info = info
         self.check_timeout(self.timeout)
+        self.check_transports(info)
         return info
 
     def info_timeout_s(self) -> float:
@@ -177,6 +181,18 @@ class ClientCore:
             "UNKNOWN_ID instead of the real reason",
             TimeoutConfigWarning,
         )
+
+    def check_transports(self, info: ProducerInfo) -> None:
+        """Warns once per client if the producer offers zero-copy TCP that this client cannot
+        take: over a TLS channel the data connection needs its own `data_tls` context, and
+        without one every load quietly goes over the slower gRPC stream."""
+        if info.data_address and self.transport in ("auto", "tcp") and not self.tcp_usable():
+            self._warn_once(
+                "data-tls",
+                f"producer {self.target} offers zero-copy TCP, but this client has a TLS "
+                "channel and no data_tls: loads go over the gRPC stream; pass data_tls= "
+                "(an ssl.SSLContext) to use it",
+            )
 
     def _warn_once(self, key: str, message: str, category: type[Warning] | None = None) -> None:
         with self._lock:
@@ -285,9 +301,30 @@ class ClientCore:
         cannot be reused for a plain socket."""
         if self.transport == "grpc":
             return ()
-        tcp_ok = self.channel.credentials is None or self.data_tls is not None
+        tcp_ok = self.tcp_usable() and time.monotonic() >= self._tcp_down_until
         accept = [pb.TRANSPORT_TCP] if tcp_ok and self.transport in ("auto", "tcp") else []
         return (*accept, pb.TRANSPORT_GRPC)
+
+    def tcp_usable(self) -> bool:
+        return self.channel.credentials is None or self.data_tls is not None
+
+    def fall_back(self, session: LoadSession, why: Exception) -> LoadSession:
+        """The load over the gRPC stream, after its shm or tcp path failed before the first
+        byte. A data connection that failed is not tried again for RETRY_AFTER_S: a data port
+        that a firewall drops would otherwise cost every load its connect timeout."""
+        failed = "tcp" if session.offer is not None else "shm"
+        if failed == "tcp":
+            with self._lock:
+                self._tcp_down_until = time.monotonic() + RETRY_AFTER_S
+            log.warning(
+                "kvpark: zero-copy TCP to %s not used for %.0fs: %s; loading %r over the gRPC "
+                "stream", self.target, RETRY_AFTER_S, why, session.kv_request_id,
+            )  # fmt: skip
+        else:
+            log.info("kvpark: %s; loading %r over the gRPC stream", why, session.kv_request_id)
+        if self.metrics is not None:
+            self.metrics.record_transport_fallback(failed)
+        return session.over_grpc()
 
     def finish_load(self, session: LoadSession) -> LoadResult:
         if session.shm is not None and not session.shm.direct:

@@ -24,9 +24,13 @@ from kvpark.tcp_frames import (
 from ._result import Reason
 from ._session import LoadSession, Step
 
-# Connecting and the ticket exchange must not take long: the producer's stall bound waits for
-# the connection, and a path that does not work should fall back while there is time.
-CONNECT_TIMEOUT_S = 5.0
+# Connecting and the ticket exchange take a few round trips on a working network. A path that
+# does not work (a data port that a firewall drops) must fall back while the load has time:
+# the attempt gets at most CONNECT_TIMEOUT_S (a SYN lost once is retried by the kernel only
+# after 1 s, so this also falls back rather than wait out a retransmission) and at most
+# CONNECT_SHARE of what is left of the load's budget, the rest being the gRPC stream's.
+CONNECT_TIMEOUT_S = 1.0
+CONNECT_SHARE = 0.25
 
 
 class Fallback(Exception):
@@ -104,7 +108,8 @@ class TcpReceiver:
         on for the outcome; ABANDON: the session gave up (cancel the call). Raises Fallback
         before the first byte, BufferTooSmallError as `place` does."""
         remaining = session.remaining_s()
-        sock = self._connect(min(CONNECT_TIMEOUT_S, remaining or CONNECT_TIMEOUT_S))
+        share = CONNECT_TIMEOUT_S if remaining is None else remaining * CONNECT_SHARE
+        sock = self._connect(min(CONNECT_TIMEOUT_S, share))
         try:
             sock.settimeout(session.remaining_s())
             while True:

@@ -3,7 +3,8 @@
 A worker creates one `ConsumerMetrics` (in its own registry, or the default one its /metrics
 endpoint already serves) and passes it to its clients or pool (`metrics=`). Every load is then
 counted by path and reason, with its bytes, its duration, its time to first chunk and its
-throughput; every fallback by reason with the chunks recomputed (counted when the load named
+throughput, and the transport that carried it (with each shm or tcp path that failed before its
+first byte); every fallback by reason with the chunks recomputed (counted when the load named
 its chunks: a load of "every chunk" that fails does not know how many the id has). The failure
 policy each load ran under is a label, and `kvpark_client_failure_policy` says which policy the
 worker runs with, so an operator sees both what happened and what was meant to happen. Nothing
@@ -38,6 +39,19 @@ class ConsumerMetrics:
         self.loaded_bytes_total = Counter(
             "kvpark_client_loaded_bytes", "Payload bytes loaded and verified", registry=r
         )
+        # Which transport carries the loads shows a data plane that is offered but not used (a
+        # blocked data port, a TLS client without data_tls, no shared socket): the loads still
+        # succeed, over the gRPC stream, only slower.
+        self.transport_loads_total = Counter(
+            "kvpark_client_transport_loads", "Loads by the transport that carried their bytes",
+            ["transport"], registry=r,
+        )  # fmt: skip
+        self.transport_fallbacks_total = Counter(
+            "kvpark_client_transport_fallbacks",
+            "Loads whose shm or tcp path failed before its first byte and went on over the "
+            "gRPC stream, by the transport that failed",
+            ["transport"], registry=r,
+        )  # fmt: skip
         self.load_seconds = Histogram(
             "kvpark_client_load_seconds", "Load wall time, whatever its outcome",
             buckets=_SECONDS, registry=r,
@@ -71,11 +85,15 @@ class ConsumerMetrics:
         reason = result.reason.lower() if result.reason else "none"
         self.loads_total.labels(result.path.value, reason, policy).inc()
         self.loaded_bytes_total.inc(result.bytes)
+        self.transport_loads_total.labels(result.transport).inc()
         self.load_seconds.observe(result.elapsed_s)
         if result.first_chunk_s is not None:
             self.first_chunk_seconds.observe(result.first_chunk_s)
         if result.ok and result.elapsed_s > 0:
             self.throughput.observe(result.bytes / result.elapsed_s)
+
+    def record_transport_fallback(self, transport: str) -> None:
+        self.transport_fallbacks_total.labels(transport).inc()
 
     def record_fallback(self, result: LoadResult, policy: str, recomputed_chunks: int) -> None:
         reason = result.reason.lower() if result.reason else "none"

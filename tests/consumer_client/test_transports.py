@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +27,22 @@ import grpc
 import numpy as np
 import pytest
 from conftest import MiB, running_producer, wait_until
+from prometheus_client import CollectorRegistry
 
 from kvpark import (
     AsyncKVConsumer,
     AsyncKVParker,
     BufferTooSmallError,
+    ConsumerMetrics,
     KVConsumer,
     KVParker,
     Reason,
+    Timeout,
     wire,
 )
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
+from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender
 from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_header, recv_payload
 
 CHUNK = MiB
@@ -427,25 +431,82 @@ async def test_the_data_connection_runs_tls_when_the_producer_does(tmp_path: Pat
         assert info.data_tls and loaded.ok and loaded.transport == "tcp"
 
 
-async def test_without_data_tls_a_tls_producer_is_loaded_over_grpc(tmp_path: Path) -> None:
+async def test_without_data_tls_a_tls_producer_is_loaded_over_grpc_and_the_client_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loads still work, over the slower gRPC stream; the client warns once that the producer's
+    zero-copy TCP went unused for want of `data_tls`, and its metrics count the loads by the
+    transport that carried them."""
     import grpc
     from tls_certs import make_certs
 
     certs = make_certs(tmp_path)
+    registry = CollectorRegistry()
     async with running_producer(
         **SETTINGS, tls_cert_file=str(certs.server_cert), tls_key_file=str(certs.server_key)
     ) as server:
         creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
         options = [("grpc.ssl_target_name_override", "localhost")]
 
-        def run() -> Any:
+        def run() -> list[Any]:
             with KVParker(server.target, credentials=creds, channel_options=options) as parker:
-                assert parker.park("g", chunks(1)).ok
-            with KVConsumer(server.target, credentials=creds, channel_options=options) as c:
-                return c.load("g", num_chunks=1)
+                assert parker.park("g", chunks(1)).ok and parker.park("h", chunks(1)).ok
+            with KVConsumer(
+                server.target, credentials=creds, channel_options=options,
+                metrics=ConsumerMetrics(registry),
+            ) as c:  # fmt: skip
+                c.server_info()
+                return [c.load(kid, num_chunks=1) for kid in ("g", "h")]
 
-        result = await in_thread(run)
-        assert result.ok and result.transport == "grpc"
+        results = await in_thread(run)
+    assert all(r.ok and r.transport == "grpc" for r in results)
+    warned = [r for r in caplog.records if "no data_tls" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.records
+    assert (
+        registry.get_sample_value("kvpark_client_transport_loads_total", {"transport": "grpc"}) == 2
+    )
+
+
+@contextmanager
+def dropping_port() -> Iterator[int]:
+    """A loopback port where a connect hangs, as at a data port behind a firewall that drops
+    it: a listener whose one-connection accept queue is already full, so the kernel drops
+    every further SYN."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # fills the queue, never accepted
+            yield port
+
+
+async def test_a_data_port_that_drops_connects_costs_one_load_a_bounded_try() -> None:
+    """A producer whose data port cannot be reached (it advertises one where connects hang)
+    still serves every load within its 2 s timeout: the first load gives the connect a bounded
+    share of its budget and goes on over the gRPC stream; the next ones do not try TCP again
+    for a while. Before that bound, the first load spent its whole budget connecting."""
+    registry = CollectorRegistry()
+    with dropping_port() as port:
+        async with running_producer(**SETTINGS) as server:
+            server.servicer.offer(data=server.data, data_address=f"127.0.0.1:{port}", shm=None)
+
+            def run() -> list[Any]:
+                with KVParker(server.target) as parker:
+                    for i in range(3):
+                        assert parker.park(f"d{i}", chunks(1, seed=i)).ok
+                with KVConsumer(
+                    server.target, timeout=Timeout(2), metrics=ConsumerMetrics(registry)
+                ) as c:
+                    return [c.load(f"d{i}", num_chunks=1) for i in range(3)]
+
+            results = await in_thread(run)
+            server.lot.check_invariants()
+    assert [(r.ok, r.transport) for r in results] == [(True, "grpc")] * 3, results
+    # Only the first load tried the data connection.
+    assert (
+        registry.get_sample_value("kvpark_client_transport_fallbacks_total", {"transport": "tcp"})
+        == 1
+    )
 
 
 # ======================================================================== shared memory
@@ -494,6 +555,44 @@ async def test_a_lend_the_producer_does_not_hold_falls_back_to_grpc(shm_socket: 
         result = await in_thread(run)
         assert result.ok and result.transport in ("tcp", "grpc")
         server.lot.check_invariants()
+
+
+async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_counted(
+    shm_socket: str,
+) -> None:
+    """The producer no longer holds the consumer's lent buffer (ended on its side, as after a
+    restart): it refuses the Fetch before anything binds, the load goes on over the gRPC
+    stream in the same call, and the client's metrics count one shm fallback."""
+    registry = CollectorRegistry()
+    data = chunks(2, seed=9)
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        shm = server.shm
+        assert shm is not None
+
+        def run() -> tuple[Any, bytes]:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport="shm", metrics=ConsumerMetrics(registry)) as c,
+            ):
+                into = c.shared_buffer(2 * CHUNK)
+                assert parker.park("first", data).ok and parker.park("second", data).ok
+                first = c.load("first", num_chunks=2, into=into)
+                assert first.ok and first.transport == "shm", first
+                found = c._core.shm.lend_of(into)  # the client still counts on this lend
+                lent = shm.get(found[0], FETCH_ROLE) if found else None
+                assert lent is not None
+                lent.end()  # thread-safe: the producer's lending thread ends lends too
+                into[:] = 0
+                return c.load("second", num_chunks=2, into=into), into.tobytes()
+
+        second, landed = await in_thread(run)
+        server.lot.check_invariants()
+    assert second.ok and second.transport == "grpc", second
+    assert landed == joined(data)
+    counted = registry.get_sample_value(
+        "kvpark_client_transport_fallbacks_total", {"transport": "shm"}
+    )
+    assert counted == 1
 
 
 # ================================================================ Park by reference, in groups
