@@ -46,7 +46,15 @@ from .lot import (
 from .metrics import ProducerMetrics
 from .shm_lending import LendGone, ShmLendingServer
 from .shm_park import LentChunks
-from .transports import BATCH_BYTES, Destination, GrpcStream, ShmStream, Stalled, TcpStream
+from .transports import (
+    BATCH_BYTES,
+    BATCH_CHUNKS,
+    Destination,
+    GrpcStream,
+    ShmStream,
+    Stalled,
+    TcpStream,
+)
 
 SERVICE_NAME = "kvpark.v1.KVProducer"
 GRPC, TCP, SHM = pb.TRANSPORT_GRPC, pb.TRANSPORT_TCP, pb.TRANSPORT_SHM
@@ -368,7 +376,8 @@ class KVProducerServicer:
     async def _ready(
         self, binding: FetchBinding, wakeup: asyncio.Event
     ) -> list[ReadyChunk] | FetchEnd:
-        """The next chunks the binding may send (as many as are ready, up to BATCH_BYTES), or
+        """The next chunks the binding may send (as many as are ready, up to BATCH_BYTES and
+        BATCH_CHUNKS), or
         how it ended; waits, bounded by the binding's stall wait, while nothing is ready."""
         clock = self._lot.clock
         while True:
@@ -378,7 +387,7 @@ class KVProducerServicer:
                 batch, size = [step], step.nbytes
                 # Never ask past the last chunk: that answer delivers the id, which must wait
                 # until these chunks are really out.
-                while size < BATCH_BYTES and binding.remaining() != 0:
+                while size < BATCH_BYTES and len(batch) < BATCH_CHUNKS and binding.remaining() != 0:
                     more = self._lot.next_for(binding)
                     if not isinstance(more, ReadyChunk):
                         break

@@ -8,9 +8,10 @@ consumer lent (kvpark.producer.shm_lending) on a worker thread, then tells the c
 each chunk landed. Copies and socket writes release the GIL and run on the data threads
 (data_threads.py), so the event loop keeps answering control calls while bytes move.
 
-A batch is what the lot has ready at once, up to BATCH_BYTES: one thread hop per batch rather
-than per chunk. A batch's views stay valid while it is written: the lot frees a bound id's
-memory only when the whole producer shuts down, and no other id's data goes there meanwhile.
+A batch is what the lot has ready at once, up to BATCH_BYTES and BATCH_CHUNKS: one thread hop
+per batch rather than per chunk. A batch's views stay valid while it is written: the lot frees
+a bound id's memory only when the whole producer shuts down, and no other id's data goes there
+meanwhile.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from .lot import ReadyChunk
 # on tcp and shm (docs/performance.md); still small enough (~25 ms of copying or sending) that
 # a cancel or a stall is noticed between batches.
 BATCH_BYTES = 64 * 1024 * 1024
+# ... and at most this many chunks, so that the batch's ChunksPlaced (~20 bytes per chunk) stays
+# far below any client's message limit (64 KiB above its max_chunk_bytes) however small the
+# chunks: an id may hold as many chunks as the pool has pages.
+BATCH_CHUNKS = 1024
 # How long a TCP write waits for room on a full socket before it gives its thread back: well
 # above the pauses of a consumer that reads (so a transfer rarely leaves its thread), well
 # below anything another transfer would notice waiting for a thread.

@@ -557,6 +557,32 @@ async def test_a_lend_the_producer_does_not_hold_falls_back_to_grpc(shm_socket: 
         server.lot.check_invariants()
 
 
+async def test_many_tiny_chunks_go_over_shm_in_placements_any_client_can_receive(
+    shm_socket: str,
+) -> None:
+    """An id of 6,000 16-byte chunks (the pool holds one chunk per 256 KiB page, so it can
+    hold that many) loaded over shared memory by a client that receives messages of at most
+    64 KiB + 1 byte: the producer names them in ChunksPlaced messages of a bounded number of
+    chunks, where one message naming all of them (~95 KB) would be refused by the client."""
+    n, size = 6000, 16
+    data = [np.full(size, i % 251, np.uint8) for i in range(n)]
+    async with running_producer(
+        **{**SETTINGS, "pool_bytes": 1536 * MiB}, shm_socket=shm_socket
+    ) as server:
+
+        def run() -> tuple[Any, bytes]:
+            with KVParker(server.target) as parker:
+                assert parker.park("tiny", data).ok
+            with KVConsumer(server.target, transport="shm", max_chunk_bytes=1) as c:
+                into = c.shared_buffer(n * size)
+                return c.load("tiny", num_chunks=n, into=into), into.tobytes()
+
+        loaded, landed = await in_thread(run)
+        server.lot.check_invariants()
+    assert loaded.ok and loaded.transport == "shm", loaded
+    assert landed == joined(data)
+
+
 async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_counted(
     shm_socket: str,
 ) -> None:
