@@ -356,7 +356,9 @@ class AsyncKVConsumer(ClientBase):
             ended = True
             if session.refused_out_of_band(exc.code()):
                 finished = True  # refused before any copy
-                raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
+                raise Fallback(
+                    f"the producer refused the lent buffer: {exc.details()}", transport="shm"
+                ) from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         except asyncio.CancelledError:
             if caller_cancelled():
@@ -382,6 +384,7 @@ class AsyncKVConsumer(ClientBase):
             self.target,
             self._core.data_tls,
             self._core.channel.tls_server_name,
+            self._core.tcp_worked,
         )
         reading = asyncio.ensure_future(asyncio.to_thread(receiver.run, session))
         try:

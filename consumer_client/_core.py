@@ -35,7 +35,8 @@ from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
 from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
-from ._shm import RETRY_AFTER_S, ShmAccess
+from ._shm import ShmAccess
+from ._tcp import RETRY_AFTER_S, Fallback
 from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
 from .metrics import NO_POLICY, ConsumerMetrics
 
@@ -112,7 +113,9 @@ class ClientCore:
         self.info_pending = False
         self._lock = threading.Lock()
         self._warned: set[str] = set()
-        # Until when TCP is left out of the loads' offers, after its data connection failed.
+        # After a data connection failed: TCP is left out of the loads' offers until
+        # `_tcp_down_until`, then one load at a time tries it until one gets through.
+        self._tcp_failed = False
         self._tcp_down_until = 0.0
 
     @property
@@ -301,20 +304,37 @@ class ClientCore:
         cannot be reused for a plain socket."""
         if self.transport == "grpc":
             return ()
-        tcp_ok = self.tcp_usable() and time.monotonic() >= self._tcp_down_until
-        accept = [pb.TRANSPORT_TCP] if tcp_ok and self.transport in ("auto", "tcp") else []
+        wanted = self.transport in ("auto", "tcp") and self.tcp_usable()
+        accept = [pb.TRANSPORT_TCP] if wanted and self._tcp_turn() else []
         return (*accept, pb.TRANSPORT_GRPC)
 
     def tcp_usable(self) -> bool:
         return self.channel.credentials is None or self.data_tls is not None
 
-    def fall_back(self, session: LoadSession, why: Exception) -> LoadSession:
+    def _tcp_turn(self) -> bool:
+        """Whether this load may offer TCP. After a data connection failed, no load does for
+        RETRY_AFTER_S, then one load per RETRY_AFTER_S tries it, until one gets through: a data
+        port that a firewall drops would otherwise cost every load its connect attempt."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._tcp_down_until:
+                return False
+            if self._tcp_failed:
+                self._tcp_down_until = now + RETRY_AFTER_S  # this load tries; the rest wait
+            return True
+
+    def tcp_worked(self) -> None:
+        """A data connection was accepted: TCP is offered again on every load."""
+        with self._lock:
+            self._tcp_failed = False
+            self._tcp_down_until = 0.0
+
+    def fall_back(self, session: LoadSession, why: Fallback) -> LoadSession:
         """The load over the gRPC stream, after its shm or tcp path failed before the first
-        byte. A data connection that failed is not tried again for RETRY_AFTER_S: a data port
-        that a firewall drops would otherwise cost every load its connect timeout."""
-        failed = "tcp" if session.offer is not None else "shm"
-        if failed == "tcp":
+        byte (counted in the metrics; a failed data connection also pauses TCP)."""
+        if why.transport == "tcp" and why.path_failed:
             with self._lock:
+                self._tcp_failed = True
                 self._tcp_down_until = time.monotonic() + RETRY_AFTER_S
             log.warning(
                 "kvpark: zero-copy TCP to %s not used for %.0fs: %s; loading %r over the gRPC "
@@ -323,7 +343,7 @@ class ClientCore:
         else:
             log.info("kvpark: %s; loading %r over the gRPC stream", why, session.kv_request_id)
         if self.metrics is not None:
-            self.metrics.record_transport_fallback(failed)
+            self.metrics.record_transport_fallback(why.transport)
         return session.over_grpc()
 
     def finish_load(self, session: LoadSession) -> LoadResult:

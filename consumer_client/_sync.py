@@ -351,6 +351,7 @@ class KVConsumer(ClientBase):
                         self.target,
                         self._core.data_tls,
                         self._core.channel.tls_server_name,
+                        self._core.tcp_worked,
                     )
                     step = receiver.run(session)
                 if step is not Step.CONTINUE:
@@ -366,7 +367,9 @@ class KVConsumer(ClientBase):
             ended = True
             if session.refused_out_of_band(exc.code()):
                 finished = True  # refused before any copy
-                raise Fallback(f"the producer refused the lent buffer: {exc.details()}") from None
+                raise Fallback(
+                    f"the producer refused the lent buffer: {exc.details()}", transport="shm"
+                ) from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         finally:
             watchdog.disarm()

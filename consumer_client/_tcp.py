@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
+from collections.abc import Callable
 
 from kvpark.address import Address, target_address
 from kvpark.pb import kvpark_pb2 as pb
@@ -24,17 +26,31 @@ from kvpark.tcp_frames import (
 from ._result import Reason
 from ._session import LoadSession, Step
 
-# Connecting and the ticket exchange take a few round trips on a working network. A path that
-# does not work (a data port that a firewall drops) must fall back while the load has time:
-# the attempt gets at most CONNECT_TIMEOUT_S (a SYN lost once is retried by the kernel only
-# after 1 s, so this also falls back rather than wait out a retransmission) and at most
-# CONNECT_SHARE of what is left of the load's budget, the rest being the gRPC stream's.
+# Connecting, TLS and the ticket exchange take a few round trips on a working network. A path
+# that does not work (a data port that a firewall drops) must fall back while the load has
+# time: the whole attempt gets at most CONNECT_TIMEOUT_S (a SYN lost once is retried by the
+# kernel only after 1 s, so this also falls back rather than wait out a retransmission) and at
+# most CONNECT_SHARE of what is left of the load's budget, the rest being the gRPC stream's.
 CONNECT_TIMEOUT_S = 1.0
 CONNECT_SHARE = 0.25
+# An attempt that timed out with less time than this says nothing about the path (a load with
+# a small budget left, a busy producer): it is not held against TCP.
+CONCLUSIVE_TIMEOUT_S = 0.25
+# How long a client leaves TCP out of its Fetches after a data connection failed for a reason
+# that will not go away by itself (refused, unreachable, dropped, a TLS mismatch).
+RETRY_AFTER_S = 10.0
 
 
 class Fallback(Exception):
-    """The data path failed before its first byte: the load goes on over the gRPC stream."""
+    """The out-of-band path failed before its first byte: the load goes on over the gRPC
+    stream. `transport` names that path ("tcp" or "shm"); `path_failed` is False when the
+    failure says nothing about the path (no time left to try, a ticket the producer no longer
+    waited for), so the client keeps using it."""
+
+    def __init__(self, why: str, *, transport: str, path_failed: bool = True) -> None:
+        super().__init__(why)
+        self.transport = transport
+        self.path_failed = path_failed
 
 
 def host_of(target: str) -> str | None:
@@ -52,6 +68,7 @@ class TcpReceiver:
         target: str,
         tls: ssl.SSLContext | None,
         server_name: str | None = None,
+        on_connected: Callable[[], None] | None = None,
     ) -> None:
         self._offer = offer
         self._target = target
@@ -60,6 +77,8 @@ class TcpReceiver:
         # it has one (the data address is then a pod IP the certificate does not name), else
         # the data address's host.
         self._server_name = server_name
+        # Told once the producer accepted the ticket: the path works.
+        self._on_connected = on_connected
         self._sock: socket.socket | None = None
         self._aborted = False
 
@@ -69,38 +88,71 @@ class TcpReceiver:
         if sock is not None:
             sock.close()
 
-    def _connect(self, timeout_s: float) -> socket.socket:
-        """The data connection, ticket accepted; Fallback when that cannot be had."""
+    def _connect(self, budget_s: float) -> socket.socket:
+        """The data connection, ticket accepted, within `budget_s` in all; Fallback when that
+        cannot be had."""
         offer = self._offer
         text = offer.address
         if text.startswith(":"):  # the host this client dials for the gRPC call
             host = host_of(self._target)
             if host is None:
-                raise Fallback(f"cannot tell the producer's host from {self._target!r}")
+                raise _failed(f"cannot tell the producer's host from {self._target!r}")
             text = str(Address(host, 0))[: -len(":0")] + text
         try:
             address = Address.parse(text)
         except ValueError as exc:
-            raise Fallback(f"bad data address {offer.address!r}: {exc}") from None
+            raise _failed(f"bad data address {offer.address!r}: {exc}") from None
         if offer.tls and self._tls is None:
-            raise Fallback("the data connection needs TLS and the client has no data_tls")
+            raise _failed("the data connection needs TLS and the client has no data_tls")
+        if budget_s <= 0:
+            raise Fallback("no time left to connect", transport="tcp", path_failed=False)
+        deadline = time.monotonic() + budget_s
+
+        def left() -> float:
+            # Each socket call takes the time the attempt has left, not a fresh timeout.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out")
+            return remaining
+
         try:
-            sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+            sock = socket.create_connection((address.host, address.port), timeout=left())
+            self._sock = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if offer.tls and self._tls is not None:
+                sock.settimeout(left())  # the whole handshake, as one call
                 sock = self._tls.wrap_socket(
                     sock, server_hostname=self._server_name or address.host
                 )
-            self._sock = sock
+                self._sock = sock
+            sock.settimeout(left())
             sock.sendall(offer.ticket)
             answer = bytearray(1)
+            sock.settimeout(left())
             recv_exactly(sock, memoryview(answer))
+        except FrameError:
+            # The producer closed the connection without a word: it no longer waited for this
+            # ticket (the Fetch ended meanwhile, or its handshake took too long there).
+            self.abort()
+            raise Fallback(
+                f"data connection to {address}: the ticket was not taken",
+                transport="tcp", path_failed=False,
+            ) from None  # fmt: skip
         except (OSError, ssl.SSLError) as exc:
             self.abort()
-            raise Fallback(f"data connection to {address}: {exc}") from None
+            conclusive = not isinstance(exc, TimeoutError) or budget_s >= CONCLUSIVE_TIMEOUT_S
+            raise Fallback(
+                f"data connection to {address}: {exc or type(exc).__name__}",
+                transport="tcp", path_failed=conclusive,
+            ) from None  # fmt: skip
         if bytes(answer) != ACCEPTED:
             self.abort()
-            raise Fallback(f"data connection to {address}: the ticket was not accepted")
+            raise Fallback(
+                f"data connection to {address}: the ticket was not accepted",
+                transport="tcp", path_failed=False,
+            )  # fmt: skip
+        if self._on_connected is not None:
+            self._on_connected()
         return sock
 
     def run(self, session: LoadSession) -> Step:
@@ -135,3 +187,8 @@ class TcpReceiver:
             return Step.CONTINUE
         finally:
             self.abort()
+
+
+def _failed(why: str) -> Fallback:
+    """A data path that cannot work as configured: not tried again for a while."""
+    return Fallback(why, transport="tcp")

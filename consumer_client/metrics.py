@@ -43,7 +43,8 @@ class ConsumerMetrics:
         # blocked data port, a TLS client without data_tls, no shared socket): the loads still
         # succeed, over the gRPC stream, only slower.
         self.transport_loads_total = Counter(
-            "kvpark_client_transport_loads", "Loads by the transport that carried their bytes",
+            "kvpark_client_transport_loads",
+            "Loads that got every chunk, by the transport that carried their bytes",
             ["transport"], registry=r,
         )  # fmt: skip
         self.transport_fallbacks_total = Counter(
@@ -85,7 +86,8 @@ class ConsumerMetrics:
         reason = result.reason.lower() if result.reason else "none"
         self.loads_total.labels(result.path.value, reason, policy).inc()
         self.loaded_bytes_total.inc(result.bytes)
-        self.transport_loads_total.labels(result.transport).inc()
+        if result.ok:
+            self.transport_loads_total.labels(result.transport).inc()
         self.load_seconds.observe(result.elapsed_s)
         if result.first_chunk_s is not None:
             self.first_chunk_seconds.observe(result.first_chunk_s)

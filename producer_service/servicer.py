@@ -49,6 +49,8 @@ from .shm_park import LentChunks
 from .transports import (
     BATCH_BYTES,
     BATCH_CHUNKS,
+    BATCH_GROWTH,
+    FIRST_BATCH_BYTES,
     Destination,
     GrpcStream,
     ShmStream,
@@ -300,14 +302,16 @@ class KVProducerServicer:
                         )
                 destination = await self._open(transport, binding, request, lent, context)
                 held.callback(destination.close)
+                batch_bytes = FIRST_BATCH_BYTES
                 while True:
-                    ready = await self._ready(binding, wakeup)
+                    ready = await self._ready(binding, wakeup, batch_bytes)
                     if isinstance(ready, FetchEnd):
                         destination.close()  # a data connection ends before the TransferDone
                         done = self._fetch_done(ready, started, destination.transport)
                         await context.write(done)
                         return
                     await self._send(destination, ready, binding, kid, context)
+                    batch_bytes = min(BATCH_BYTES, batch_bytes * BATCH_GROWTH)
         finally:
             # Consumer cancelled or disconnected: the id returns to where it was.
             self._lot.cancel_fetch(binding)
@@ -374,11 +378,11 @@ class KVProducerServicer:
         return GrpcStream(context, stall_s, on_stall)
 
     async def _ready(
-        self, binding: FetchBinding, wakeup: asyncio.Event
+        self, binding: FetchBinding, wakeup: asyncio.Event, batch_bytes: int
     ) -> list[ReadyChunk] | FetchEnd:
-        """The next chunks the binding may send (as many as are ready, up to BATCH_BYTES and
-        BATCH_CHUNKS), or
-        how it ended; waits, bounded by the binding's stall wait, while nothing is ready."""
+        """The next chunks the binding may send (as many as are ready, up to `batch_bytes` and
+        BATCH_CHUNKS), or how it ended; waits, bounded by the binding's stall wait, while
+        nothing is ready."""
         clock = self._lot.clock
         while True:
             wakeup.clear()  # before asking, so a notify during the answer is not lost
@@ -387,7 +391,7 @@ class KVProducerServicer:
                 batch, size = [step], step.nbytes
                 # Never ask past the last chunk: that answer delivers the id, which must wait
                 # until these chunks are really out.
-                while size < BATCH_BYTES and len(batch) < BATCH_CHUNKS and binding.remaining() != 0:
+                while size < batch_bytes and len(batch) < BATCH_CHUNKS and binding.remaining() != 0:
                     more = self._lot.next_for(binding)
                     if not isinstance(more, ReadyChunk):
                         break

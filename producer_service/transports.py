@@ -36,6 +36,11 @@ from .lot import ReadyChunk
 # on tcp and shm (docs/performance.md); still small enough (~25 ms of copying or sending) that
 # a cancel or a stall is noticed between batches.
 BATCH_BYTES = 64 * 1024 * 1024
+# A Fetch's first batch is smaller, so that its first chunks are placed (and a caller's
+# on_chunk runs) after ~1 ms of copying rather than ~16 ms; each next batch is BATCH_GROWTH
+# times larger, up to BATCH_BYTES: two batches more per Fetch than without the ramp.
+FIRST_BATCH_BYTES = 4 * 1024 * 1024
+BATCH_GROWTH = 4
 # ... and at most this many chunks, so that the batch's ChunksPlaced (~20 bytes per chunk) stays
 # far below any client's message limit (64 KiB above its max_chunk_bytes) however small the
 # chunks: an id may hold as many chunks as the pool has pages.

@@ -231,7 +231,8 @@ async def test_client_metrics_count_each_load_by_path_reason_and_policy() -> Non
 
         remote, missing, failed, plain, recomputed = await in_thread(loads)
     assert remote.path is LoadPath.REMOTE and missing.path is LoadPath.RECOMPUTE
-    assert recomputed == [0, 0], "policy='fail' recomputed something"
+    # Each recompute-policy load recomputed from chunk 0; policy='fail' recomputed nothing.
+    assert recomputed == [0, 0], recomputed
     r = registry
     assert sample(r, "kvpark_client_loads_total", path="remote", reason="none",
                   policy="recompute") == 1  # fmt: skip

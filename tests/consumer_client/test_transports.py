@@ -8,6 +8,7 @@ grouping of ChunkRefs and what a bad group leaves behind."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import MiB, running_producer, wait_until
+from conftest import MiB, running_producer, wait_for, wait_until
 from prometheus_client import CollectorRegistry
 
 from kvpark import (
@@ -455,13 +456,18 @@ async def test_without_data_tls_a_tls_producer_is_loaded_over_grpc_and_the_clien
                 server.target, credentials=creds, channel_options=options,
                 metrics=ConsumerMetrics(registry),
             ) as c:  # fmt: skip
-                c.server_info()
-                return [c.load(kid, num_chunks=1) for kid in ("g", "h")]
+                loaded = [c.load(kid, num_chunks=1) for kid in ("g", "h")]
+                # The client reads ServerInfo in the background on first use, and warns then.
+                wait_for(lambda: warned(), what="the data_tls warning")
+                c.server_info()  # read again on request: no second warning
+                return loaded
+
+        def warned() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if "no data_tls" in r.getMessage()]
 
         results = await in_thread(run)
     assert all(r.ok and r.transport == "grpc" for r in results)
-    warned = [r for r in caplog.records if "no data_tls" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelname == "WARNING", caplog.records
+    assert len(warned()) == 1 and warned()[0].levelname == "WARNING", caplog.records
     assert (
         registry.get_sample_value("kvpark_client_transport_loads_total", {"transport": "grpc"}) == 2
     )
@@ -480,11 +486,20 @@ def dropping_port() -> Iterator[int]:
             yield port
 
 
-async def test_a_data_port_that_drops_connects_costs_one_load_a_bounded_try() -> None:
+def tcp_fallbacks(registry: CollectorRegistry) -> float:
+    counted = registry.get_sample_value(
+        "kvpark_client_transport_fallbacks_total", {"transport": "tcp"}
+    )
+    return counted or 0.0
+
+
+async def test_a_data_port_that_drops_connects_costs_a_load_a_bounded_try() -> None:
     """A producer whose data port cannot be reached (it advertises one where connects hang)
-    still serves every load within its 2 s timeout: the first load gives the connect a bounded
-    share of its budget and goes on over the gRPC stream; the next ones do not try TCP again
-    for a while. Before that bound, the first load spent its whole budget connecting."""
+    still serves every load over the gRPC stream within its timeout. A load that had little
+    time to try (a quarter of 0.4 s) learns nothing about the path; the next one gives the
+    connect a quarter of its 2 s and falls back well within them; after that failure the
+    loads leave TCP alone. Before these bounds, one load spent its whole budget connecting
+    and failed, and every later load did the same."""
     registry = CollectorRegistry()
     with dropping_port() as port:
         async with running_producer(**SETTINGS) as server:
@@ -492,21 +507,61 @@ async def test_a_data_port_that_drops_connects_costs_one_load_a_bounded_try() ->
 
             def run() -> list[Any]:
                 with KVParker(server.target) as parker:
-                    for i in range(3):
+                    for i in range(4):
                         assert parker.park(f"d{i}", chunks(1, seed=i)).ok
-                with KVConsumer(
-                    server.target, timeout=Timeout(2), metrics=ConsumerMetrics(registry)
-                ) as c:
-                    return [c.load(f"d{i}", num_chunks=1) for i in range(3)]
+                with KVConsumer(server.target, metrics=ConsumerMetrics(registry)) as c:
+                    budgets = (0.4, 2, 2, 2)
+                    return [c.load(f"d{i}", num_chunks=1, timeout=Timeout(budget))
+                            for i, budget in enumerate(budgets)]  # fmt: skip
 
             results = await in_thread(run)
             server.lot.check_invariants()
-    assert [(r.ok, r.transport) for r in results] == [(True, "grpc")] * 3, results
-    # Only the first load tried the data connection.
-    assert (
-        registry.get_sample_value("kvpark_client_transport_fallbacks_total", {"transport": "tcp"})
-        == 1
-    )
+    assert [(r.ok, r.transport) for r in results] == [(True, "grpc")] * 4, results
+    # The first two loads tried the data connection; the second one's failure paused it.
+    assert tcp_fallbacks(registry) == 2
+    assert results[1].elapsed_s < 1.0, results[1]  # its attempt had 0.5 s, not its budget
+
+
+async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used_by_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a failed data connection, TCP is left out for RETRY_AFTER_S (the client's clock
+    is stepped here instead of waited on); then one load tries it, and once a connection is
+    accepted every load uses TCP again."""
+    from kvpark.client import _core
+
+    now = [1000.0]
+    monkeypatch.setattr(_core, "time", type("Clock", (), {"monotonic": lambda: now[0]}))
+    registry = CollectorRegistry()
+    with dropping_port() as port:
+        async with running_producer(**SETTINGS) as server:
+            working = f":{server.data_port}"
+            data = server.data
+
+            def run() -> list[str]:
+                with KVParker(server.target) as parker:
+                    for i in range(4):
+                        assert parker.park(f"p{i}", chunks(1, seed=i)).ok
+                with KVConsumer(server.target, metrics=ConsumerMetrics(registry)) as c:
+
+                    def load(i: int) -> str:
+                        result = c.load(f"p{i}", num_chunks=1, timeout=Timeout(2))
+                        assert result.ok, result
+                        return result.transport
+
+                    server.servicer.offer(data=data, data_address=f"127.0.0.1:{port}", shm=None)
+                    seen = [load(0)]  # fails over; TCP paused
+                    server.servicer.offer(data=data, data_address=working, shm=None)
+                    seen.append(load(1))  # within the pause: not tried
+                    now[0] += _core.RETRY_AFTER_S
+                    seen.append(load(2))  # the pause is over: this load tries, and gets in
+                    seen.append(load(3))  # the path works: used again at once
+                    return seen
+
+            seen = await in_thread(run)
+            server.lot.check_invariants()
+    assert seen == ["grpc", "grpc", "tcp", "tcp"], seen
+    assert tcp_fallbacks(registry) == 1
 
 
 # ======================================================================== shared memory
@@ -555,6 +610,43 @@ async def test_a_lend_the_producer_does_not_hold_falls_back_to_grpc(shm_socket: 
         result = await in_thread(run)
         assert result.ok and result.transport in ("tcp", "grpc")
         server.lot.check_invariants()
+
+
+async def test_an_shm_fetch_places_its_first_chunks_early_then_in_larger_batches(
+    shm_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The producer copies a Fetch's first 4 MiB as a batch of their own, so the consumer
+    gets its first chunks (and on_chunk runs) after a short copy; later batches grow fourfold
+    up to 64 MiB, where the per-batch cost is noise. Seen in the ChunksPlaced messages the
+    client receives: 100 chunks of 1 MiB are named 4, 16, 64, then the last 16."""
+    from kvpark.client import _session
+
+    placements: list[int] = []
+    parse = _session.wire.parse_fetch_response
+
+    def recording(raw: bytes) -> Any:
+        message = parse(raw)
+        if isinstance(message, pb.ChunksPlaced):
+            placements.append(len(message.chunks))
+        return message
+
+    monkeypatch.setattr(_session.wire, "parse_fetch_response", recording)
+    data = chunks(100, seed=13)
+    settings = {**SETTINGS, "pool_bytes": 256 * MiB}  # a park may fill half the pool
+    async with running_producer(**settings, shm_socket=shm_socket) as server:
+
+        def run() -> tuple[Any, bytes]:
+            with KVParker(server.target) as parker:
+                assert parker.park("ramp", data).ok
+            with KVConsumer(server.target, transport="shm") as c:
+                into = c.shared_buffer(100 * CHUNK)
+                return c.load("ramp", num_chunks=100, into=into), into.tobytes()
+
+        loaded, landed = await in_thread(run)
+        server.lot.check_invariants()
+    assert loaded.ok and loaded.transport == "shm", loaded
+    assert landed == joined(data)
+    assert placements == [4, 16, 64, 16], placements
 
 
 async def test_many_tiny_chunks_go_over_shm_in_placements_any_client_can_receive(
