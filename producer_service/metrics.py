@@ -27,8 +27,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpark.pb import kvpark_pb2 as pb
+
 from .lot import LotStatistics, Reason, reason_name
 from .pool import PoolStatistics
+
+# The `transport` label of each Transport a Fetch can use.
+_TRANSPORTS = {pb.TRANSPORT_GRPC: "grpc", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_SHM: "shm"}
 
 # `*_created` timestamp series double the scrape size and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -135,9 +140,14 @@ class ProducerMetrics:
         self.fetch_total = Counter(
             "kvpark_fetch", "Fetch calls by outcome", ["status", "reason"], registry=r
         )
+        # By transport: an operator sees whether decode workers take the data plane on offer
+        # (shm, tcp) or fall back to the slower gRPC stream.
         self.sent_bytes_total = Counter(
-            "kvpark_sent_bytes", "Payload bytes streamed to consumers", registry=r
-        )
+            "kvpark_sent_bytes", "Payload bytes sent to consumers, by transport", ["transport"],
+            registry=r,
+        )  # fmt: skip
+        for transport in _TRANSPORTS.values():  # every series from the start, at 0
+            self.sent_bytes_total.labels(transport)
         self.suppressed_warnings_total = Counter(
             "kvpark_suppressed_warnings",
             "Warnings not logged because the same warning was logged recently",
@@ -177,8 +187,8 @@ class ProducerMetrics:
         self._fetches.inc(reason)
         self.fetches += 1
 
-    def count_sent(self, nbytes: int) -> None:
-        self.sent_bytes_total.inc(nbytes)
+    def count_sent(self, nbytes: int, transport: pb.Transport) -> None:
+        self.sent_bytes_total.labels(_TRANSPORTS[transport]).inc(nbytes)
         self.sent_bytes += nbytes
 
     def count_suppressed(self, kind: str) -> None:

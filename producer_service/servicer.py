@@ -426,7 +426,7 @@ class KVProducerServicer:
                     f"chunk {too_big.chunk_id} ({too_big.nbytes} bytes) does not fit in the "
                     "rest of the lent shm range; the id keeps its bytes",
                 )
-        self._metrics.count_sent(sum(c.nbytes for c in chunks))
+        self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
         try:
             await destination.send(chunks)
         except Stalled:

@@ -107,6 +107,10 @@ async def test_every_transport_loads_the_bytes_and_reports_itself(
         assert parked.ok and parked.transport == "shm"
         assert loaded.ok and loaded.transport == transport, loaded
         assert landed == joined(data) and loaded.chunk_sizes == (CHUNK,) * 6
+        sent = server.metrics.registry.get_sample_value(
+            "kvpark_sent_bytes_total", {"transport": transport}
+        )
+        assert sent == 6 * CHUNK, sent
         await wait_until(lambda: server.pool.statistics().used_bytes == 0, what="confirmed")
         server.lot.check_invariants()
 

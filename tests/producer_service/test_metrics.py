@@ -66,7 +66,7 @@ async def test_metrics_reflect_park_fetch_reap_and_late_fetch() -> None:
         assert m[("kvpark_reaped_total", ())] == 1
         assert m[("kvpark_confirmed_total", ())] == 1 and m[("kvpark_consumed_total", ())] == 1
         assert m[("kvpark_delivered_ids", ())] == 0
-        assert m[("kvpark_sent_bytes_total", ())] == 1000
+        assert m[("kvpark_sent_bytes_total", (("transport", "grpc"),))] == 1000
         assert m[("kvpark_tombstones", ())] == 2
         assert m[("kvpark_parked_ids", ())] == 0 and m[("kvpark_pool_used_bytes", ())] == 0
         assert m[("kvpark_fetch_duration_seconds_count", ())] == 3
