@@ -37,7 +37,7 @@ from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
 from ._tcp import RETRY_AFTER_S, Fallback
-from ._timeouts import Timeout, TimeoutArg, resolve, to_timeout
+from ._timeouts import OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
 from .metrics import NO_POLICY, ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
@@ -239,6 +239,7 @@ class ClientCore:
         policy: str = NO_POLICY,
     ) -> LoadSession:
         """Checks a load's arguments (UsageError) and starts its session."""
+        started = time.monotonic()  # lending a buffer below is part of the load's time
         self.check_open()
         kid = valid_id(kv_request_id)
         ids = _chunk_ids(chunk_ids, num_chunks)
@@ -252,7 +253,10 @@ class ClientCore:
         load_timeout = resolve(timeout, self.timeout)
         self.check_timeout(load_timeout)
         destination = destination_for(into)
-        shm = self._shm_target(into, destination)
+        limit = load_timeout.first_limit_s()
+        shm = self._shm_target(
+            into, destination, None if limit is None else limit * OUT_OF_BAND_SHARE
+        )
         accept = self.accept_transports()
         session = LoadSession(
             kv_request_id=kid,
@@ -264,22 +268,26 @@ class ClientCore:
             on_chunk=on_chunk,
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
+            started=started,
         )
         session.policy = policy
         return session
 
-    def _shm_target(self, into: Any, destination: Destination) -> ShmTarget | None:
+    def _shm_target(
+        self, into: Any, destination: Destination, lend_s: float | None
+    ) -> ShmTarget | None:
         """Where a load's chunks land over shared memory: `into` itself when it lies in a
         buffer this client lent (one copy, by the producer), else a lent staging buffer (one
-        copy more, by the client); None when shared memory is not for this load."""
+        copy more, by the client); None when shared memory is not for this load. A lend still
+        to be made takes at most `lend_s`."""
         if self.transport not in ("auto", "shm") or not isinstance(destination, IntoBuffer):
             return None
-        lent = self.shm.lend_of(destination.array_view)
+        lent = self.shm.lend_of(destination.array_view, lend_s)
         if lent is not None:
             lend_id, view, offset, length = lent
             return ShmTarget(lend_id, view, offset, length, direct=True)
         capacity = destination.capacity or 0
-        staged = self.shm.staging(capacity)
+        staged = self.shm.staging(capacity, lend_s)
         if staged is None:
             return None
         lend_id, view, _buffer = staged

@@ -92,6 +92,7 @@ class LoadSession:
         accept: Sequence[pb.Transport] = (),
         shm: ShmTarget | None = None,
         clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
     ) -> None:
         self.kv_request_id = kv_request_id
         self.shm = shm
@@ -101,7 +102,8 @@ class LoadSession:
         self._dest = destination
         self._on_chunk = on_chunk
         self._clock = clock
-        self.started = clock()
+        # When the load began (`started`: earlier work for it, e.g. lending a buffer, counts).
+        self.started = clock() if started is None else started
         budget = timeout.budget_s(destination.capacity)
         self.deadline = None if budget is None else self.started + budget
         first = timeout.first_chunk_s

@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvpark.shm import SharedBuffer, ShmLender, ShmUnavailable, find_shared
+from kvpark.shm import SharedBuffer, ShmLender, ShmTimedOut, ShmUnavailable, find_shared
 
 from ._errors import UsageError
+from ._timeouts import CONCLUSIVE_TIMEOUT_S
 
 log = logging.getLogger("kvpark.client")
 
@@ -73,14 +74,17 @@ class ShmAccess:
         """Whether the caller made shared buffers (shared_buffer()) on this client."""
         return bool(self._buffers)
 
-    def lend_of(self, obj: Any) -> tuple[str, memoryview, int, int] | None:
+    def lend_of(
+        self, obj: Any, timeout_s: float | None = None
+    ) -> tuple[str, memoryview, int, int] | None:
         """(lend id, the whole lent buffer, offset, length) when `obj` lies in one of this
-        client's shared buffers and lending works; None otherwise."""
+        client's shared buffers and lending works; None otherwise. A lend still to be made
+        takes at most `timeout_s` (None: HANDSHAKE_TIMEOUT_S)."""
         found = find_shared(obj)
         if found is None:
             return None
         buffer, offset, length = found
-        lend_id = self._lend(buffer)
+        lend_id = self._lend(buffer, timeout_s)
         if lend_id is None:
             return None
         return lend_id, buffer.array.data, offset, length
@@ -92,7 +96,9 @@ class ShmAccess:
             buffers = list(self._buffers)
         return self._lend(buffers[0]) if len(buffers) == 1 else None
 
-    def staging(self, nbytes: int) -> tuple[str, memoryview, SharedBuffer] | None:
+    def staging(
+        self, nbytes: int, timeout_s: float | None = None
+    ) -> tuple[str, memoryview, SharedBuffer] | None:
         """A lent buffer of at least `nbytes` for one call at a time (memory that is not in a
         shared buffer goes through it), or None when lending does not work or it is busy.
         Give it back with `unstage`."""
@@ -108,7 +114,7 @@ class ShmAccess:
                 self._forget(old)
             with self._lock:
                 self._staging = buffer
-        lend_id = self._lend(buffer)
+        lend_id = self._lend(buffer, timeout_s)
         if lend_id is None:
             self.unstage()
             return None
@@ -138,24 +144,26 @@ class ShmAccess:
             log.warning("kvpark: a lend that a call stopped using did not settle: %s", exc)
 
     # ------------------------------------------------------------------------------ lending
-    def _lend(self, buffer: SharedBuffer) -> str | None:
+    def _lend(self, buffer: SharedBuffer, timeout_s: float | None = None) -> str | None:
         with self._lock:
             known = self._lends.get(id(buffer))
             if known is not None or self._closed:
                 return known
-        lender = self._connected()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        lender = self._connected(timeout_s)
         if lender is None:
             return None
         try:
-            lend_id = lender.lend(buffer, self._role)
+            left = None if deadline is None else deadline - time.monotonic()
+            lend_id = lender.lend(buffer, self._role, left)
         except ShmUnavailable as exc:
-            self._down(f"lending a buffer failed: {exc}")
+            self._down(f"lending a buffer failed: {exc}", exc, timeout_s)
             return None
         with self._lock:
             self._lends[id(buffer)] = lend_id
         return lend_id
 
-    def _connected(self) -> ShmLender | None:
+    def _connected(self, timeout_s: float | None = None) -> ShmLender | None:
         with self._lock:
             if self._lender is not None and self._lender.connected:
                 return self._lender
@@ -166,9 +174,9 @@ class ShmAccess:
                 return None
             lender = ShmLender(path, self._token, HANDSHAKE_TIMEOUT_S)
         try:
-            epoch = lender.connect()
+            epoch = lender.connect(timeout_s)
         except ShmUnavailable as exc:
-            self._down(f"shm socket {path}: {exc}")
+            self._down(f"shm socket {path}: {exc}", exc, timeout_s)
             return None
         expected = self._producer_epoch()
         if expected is not None and epoch != expected:
@@ -179,7 +187,13 @@ class ShmAccess:
             self._lender, self._lends = lender, {}  # a new connection: earlier lends ended
         return lender
 
-    def _down(self, why: str) -> None:
+    def _down(self, why: str, exc: Exception | None = None, timeout_s: float | None = None) -> None:
+        # A request that had too little time to tell says nothing of the socket: the next
+        # call tries it again.
+        inconclusive = timeout_s is not None and timeout_s < CONCLUSIVE_TIMEOUT_S
+        if isinstance(exc, ShmTimedOut) and inconclusive:
+            log.info("kvpark: shared memory not used for this call: %s", why)
+            return
         log.info("kvpark: shared memory not used for %.0fs: %s", RETRY_AFTER_S, why)
         with self._lock:
             self._down_until = time.monotonic() + RETRY_AFTER_S

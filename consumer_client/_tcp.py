@@ -25,17 +25,14 @@ from kvpark.tcp_frames import (
 
 from ._result import Reason
 from ._session import LoadSession, Step
+from ._timeouts import CONCLUSIVE_TIMEOUT_S, OUT_OF_BAND_SHARE
 
 # Connecting, TLS and the ticket exchange take a few round trips on a working network. A path
 # that does not work (a data port that a firewall drops) must fall back while the load has
 # time: the whole attempt gets at most CONNECT_TIMEOUT_S (a SYN lost once is retried by the
 # kernel only after 1 s, so this also falls back rather than wait out a retransmission) and at
-# most CONNECT_SHARE of what is left of the load's budget, the rest being the gRPC stream's.
+# most OUT_OF_BAND_SHARE of what is left of the load's budget.
 CONNECT_TIMEOUT_S = 1.0
-CONNECT_SHARE = 0.25
-# An attempt that timed out with less time than this says nothing about the path (a load with
-# a small budget left, a busy producer): it is not held against TCP.
-CONCLUSIVE_TIMEOUT_S = 0.25
 # How long a client leaves TCP out of its Fetches after a data connection failed for a reason
 # that will not go away by itself (refused, unreachable, dropped, a TLS mismatch).
 RETRY_AFTER_S = 10.0
@@ -160,7 +157,7 @@ class TcpReceiver:
         on for the outcome; ABANDON: the session gave up (cancel the call). Raises Fallback
         before the first byte, BufferTooSmallError as `place` does."""
         remaining = session.remaining_s()
-        share = CONNECT_TIMEOUT_S if remaining is None else remaining * CONNECT_SHARE
+        share = CONNECT_TIMEOUT_S if remaining is None else remaining * OUT_OF_BAND_SHARE
         sock = self._connect(min(CONNECT_TIMEOUT_S, share))
         try:
             sock.settimeout(session.remaining_s())

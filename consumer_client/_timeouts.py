@@ -34,6 +34,13 @@ GiB = 1024**3
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 # What is left of a limit that ran out before the call began: it then fails at once.
 _LEAST_S = 0.001
+# An out-of-band path's set-up (lending a buffer over the shm socket; connecting to the data
+# port) gets at most this share of what is left of a load's limit, so that when the path does
+# not answer the load still has most of its time for the gRPC stream.
+OUT_OF_BAND_SHARE = 0.25
+# A set-up that timed out with less time than this says nothing about the path (a load with
+# little time left, a busy machine): the client goes on using the path.
+CONCLUSIVE_TIMEOUT_S = 0.25
 
 
 class _UseClientDefault(enum.Enum):

@@ -83,6 +83,10 @@ class ShmUnavailable(OSError):
     this protocol. The message says which."""
 
 
+class ShmTimedOut(ShmUnavailable):
+    """The producer's shm socket did not answer within the time a request was given."""
+
+
 class ShmRefused(ShmUnavailable):
     """The producer answered and refused a lend (bad token, the other role's token, an
     unsuitable descriptor, a buffer too large, too many lends); `reason` is its answer."""
@@ -267,14 +271,19 @@ class ShmLender:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def connect(self) -> int:
+    def connect(self, timeout_s: float | None = None) -> int:
         """Connects and greets the producer; returns its epoch, so the caller can check that
-        this socket belongs to the producer it talks gRPC to. Already connected: the epoch."""
+        this socket belongs to the producer it talks gRPC to. Already connected: the epoch.
+        `timeout_s` (at most the lender's own) bounds the whole of it."""
         with self._lock:
             if self._sock is not None and self.epoch is not None:
                 return self.epoch
+            limit = self._limit(timeout_s)
+            if limit <= 0:
+                raise ShmTimedOut(f"no time left to connect to {self.path}")
+            deadline = time.monotonic() + limit
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            sock.settimeout(self._timeout_s)
+            sock.settimeout(limit)
             try:
                 sock.connect(self.path)
             except FileNotFoundError:
@@ -290,14 +299,13 @@ class ShmLender:
                 ) from None
             except TimeoutError:
                 sock.close()
-                raise ShmUnavailable(
-                    f"connecting to {self.path} timed out after {self._timeout_s}s"
-                ) from None
+                raise ShmTimedOut(f"connecting to {self.path} timed out after {limit:g}s") from None
             except OSError as exc:
                 sock.close()
                 raise ShmUnavailable(f"cannot connect to {self.path}: {exc}") from None
             self._sock = sock
-            answer = self._exchange({"op": "hello", "version": PROTOCOL_VERSION}, (), "handshake")
+            hello = {"op": "hello", "version": PROTOCOL_VERSION}
+            answer = self._exchange(hello, (), "handshake", deadline)
             epoch = answer.get("epoch")
             if not answer.get("ok"):
                 self._drop()
@@ -308,16 +316,18 @@ class ShmLender:
             self.epoch = epoch
             return epoch
 
-    def lend(self, buffer: SharedBuffer, role: str) -> str:
+    def lend(self, buffer: SharedBuffer, role: str, timeout_s: float | None = None) -> str:
         """Lends `buffer` to the producer for Park ("park": it reads chunks from it) or Fetch
         ("fetch": it writes chunks into it); returns the lend id. Raises ShmRefused when the
-        producer says no, ShmUnavailable when the connection fails (the lender is closed)."""
+        producer says no, ShmUnavailable when the connection fails (the lender is closed).
+        `timeout_s` (at most the lender's own) bounds the request."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         fd = buffer.fd  # ValueError when the buffer is closed, before anything is sent
         with self._lock:
+            deadline = time.monotonic() + self._limit(timeout_s)
             answer = self._exchange(
-                {"op": "lend", "role": role, "token": self._token}, (fd,), "lend"
+                {"op": "lend", "role": role, "token": self._token}, (fd,), "lend", deadline
             )
         if not answer.get("ok"):
             raise ShmRefused(str(answer.get("error")))
@@ -357,13 +367,24 @@ class ShmLender:
         if sock is not None:
             sock.close()
 
-    def _exchange(self, message: dict[str, Any], fds: tuple[int, ...], what: str) -> dict[str, Any]:
-        """One request and its answer within timeout_s. Called with the lock held. Any failure
-        closes the connection: a half-sent request or half-read answer cannot be resumed."""
+    def _limit(self, timeout_s: float | None) -> float:
+        return self._timeout_s if timeout_s is None else max(0.0, min(self._timeout_s, timeout_s))
+
+    def _exchange(
+        self,
+        message: dict[str, Any],
+        fds: tuple[int, ...],
+        what: str,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """One request and its answer by `deadline` (default: timeout_s from now). Called with
+        the lock held. Any failure closes the connection: a half-sent request or half-read
+        answer cannot be resumed."""
         sock = self._sock
         if sock is None:
             raise ShmUnavailable(f"not connected to {self.path}: call connect() first")
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         try:
             frame = encode_message(message)
             # A producer that answered and closed before reading (too many connections) makes
@@ -376,9 +397,7 @@ class ShmLender:
             return decode_message(_recv_exactly(sock, size, deadline))
         except TimeoutError:
             self._drop()
-            raise ShmUnavailable(
-                f"{what} over {self.path} timed out after {self._timeout_s}s"
-            ) from None
+            raise ShmTimedOut(f"{what} over {self.path} timed out") from None
         except ValueError as exc:
             self._drop()
             raise ShmUnavailable(

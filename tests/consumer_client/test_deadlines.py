@@ -222,3 +222,34 @@ def test_the_epoch_read_before_a_first_lend_is_inside_the_loads_own_limits(
         result = client.load("x", num_chunks=1, timeout=timeout)
         assert result.reason is Reason.TIMEOUT
         assert_within(time.monotonic() - started, limit_s)
+
+
+def test_a_silent_shm_socket_costs_a_load_a_share_of_its_own_timeout(tmp_path: Any) -> None:
+    """A load into a shared buffer lends it over the shm socket first. A socket whose producer
+    side never answers (a frozen lending thread) gets a share of the load's own timeout, not a
+    handshake timeout of its own on top: the load then goes on over the gRPC stream and ends
+    within its timeout, with the bytes."""
+    path = str(tmp_path / "frozen.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.bind(path)
+        silent.listen(8)  # connections queue; nothing ever reads or answers them
+
+        async def scenario() -> Any:
+            async with running_producer() as server:
+
+                def run() -> tuple[Any, float]:
+                    with KVParker(server.target) as parker:
+                        assert parker.park("s", [bytes(range(256)) * 16]).ok
+                    with KVConsumer(server.target, shm_socket=path) as client:
+                        client.server_info()  # the epoch is known: the lend is what waits
+                        into = client.shared_buffer(4096)
+                        started = time.monotonic()
+                        result = client.load("s", num_chunks=1, into=into, timeout=1.0)
+                        return result, time.monotonic() - started
+
+                return await asyncio.to_thread(run)
+
+        result, elapsed = asyncio.run(scenario())
+    assert result.ok and result.transport == "grpc", result
+    assert result.elapsed_s >= elapsed - MARGIN_S  # the lend counts in the load's own time
+    assert_within(elapsed, 1.0)

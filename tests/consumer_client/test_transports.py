@@ -534,8 +534,11 @@ async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used
     accepted every load uses TCP again."""
     from kvpark.client import _core
 
-    now = [1000.0]
-    monkeypatch.setattr(_core, "time", type("Clock", (), {"monotonic": lambda: now[0]}))
+    ahead = [0.0]  # how far the client's clock has been stepped past the real one
+    monotonic = time.monotonic
+    monkeypatch.setattr(
+        _core, "time", type("Clock", (), {"monotonic": lambda: monotonic() + ahead[0]})
+    )
     registry = CollectorRegistry()
     with dropping_port() as port:
         async with running_producer(**SETTINGS) as server:
@@ -557,7 +560,7 @@ async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used
                     seen = [load(0)]  # fails over; TCP paused
                     server.servicer.offer(data=data, data_address=working, shm=None)
                     seen.append(load(1))  # within the pause: not tried
-                    now[0] += _core.RETRY_AFTER_S
+                    ahead[0] += _core.RETRY_AFTER_S
                     seen.append(load(2))  # the pause is over: this load tries, and gets in
                     seen.append(load(3))  # the path works: used again at once
                     return seen
