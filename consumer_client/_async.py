@@ -304,7 +304,9 @@ class AsyncKVConsumer(ClientBase):
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
         timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
-        session = self._core.begin_load(
+        # Off the event loop: lending a shared buffer can wait on the shm socket.
+        session = await asyncio.to_thread(
+            self._core.begin_load,
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -421,7 +423,9 @@ class AsyncKVConsumer(ClientBase):
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
         timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
-        session = self._core.begin_load(
+        # Off the event loop: lending a shared buffer can wait on the shm socket.
+        session = await asyncio.to_thread(
+            self._core.begin_load,
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,

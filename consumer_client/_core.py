@@ -268,6 +268,7 @@ class ClientCore:
             on_chunk=on_chunk,
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
+            clock=time.monotonic,
             started=started,
         )
         session.policy = policy

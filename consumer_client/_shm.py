@@ -57,6 +57,7 @@ class ShmAccess:
         self._staging: SharedBuffer | None = None
         self._staging_busy = False
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._down_until = 0.0
         self._closed = False
 
@@ -146,6 +147,8 @@ class ShmAccess:
     # ------------------------------------------------------------------------------ lending
     def _lend(self, buffer: SharedBuffer, timeout_s: float | None = None) -> str | None:
         with self._lock:
+            if self._lender is not None and not self._lender.connected:
+                self._lends.clear()  # the connection ended, and every lend made over it
             known = self._lends.get(id(buffer))
             if known is not None or self._closed:
                 return known
@@ -153,39 +156,49 @@ class ShmAccess:
         lender = self._connected(timeout_s)
         if lender is None:
             return None
+        left = None if deadline is None else deadline - time.monotonic()
         try:
-            left = None if deadline is None else deadline - time.monotonic()
             lend_id = lender.lend(buffer, self._role, left)
         except ShmUnavailable as exc:
-            self._down(f"lending a buffer failed: {exc}", exc, timeout_s)
+            self._down(f"lending a buffer failed: {exc}", exc, left)
             return None
         with self._lock:
             self._lends[id(buffer)] = lend_id
         return lend_id
 
     def _connected(self, timeout_s: float | None = None) -> ShmLender | None:
-        with self._lock:
-            if self._lender is not None and self._lender.connected:
-                return self._lender
-            if time.monotonic() < self._down_until or self._closed:
-                return None
-            path = self._path or self._advertised_path()
-            if not path:
-                return None
-            lender = ShmLender(path, self._token, HANDSHAKE_TIMEOUT_S)
+        # One thread connects at a time: two connections made at once would each replace the
+        # other, ending the lends made over the loser. Waiting for it counts in `timeout_s`.
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._connecting.acquire(timeout=wait):
+            return None  # another thread is still connecting: this call goes without
         try:
-            epoch = lender.connect(timeout_s)
-        except ShmUnavailable as exc:
-            self._down(f"shm socket {path}: {exc}", exc, timeout_s)
-            return None
-        expected = self._producer_epoch()
-        if expected is not None and epoch != expected:
-            lender.close()
-            self._down(f"shm socket {path} belongs to another producer (epoch {epoch})")
-            return None
-        with self._lock:
-            self._lender, self._lends = lender, {}  # a new connection: earlier lends ended
-        return lender
+            with self._lock:
+                if self._lender is not None and self._lender.connected:
+                    return self._lender
+                if time.monotonic() < self._down_until or self._closed:
+                    return None
+                path = self._path or self._advertised_path()
+                if not path:
+                    return None
+                lender = ShmLender(path, self._token, HANDSHAKE_TIMEOUT_S)
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                epoch = lender.connect(left)
+            except ShmUnavailable as exc:
+                self._down(f"shm socket {path}: {exc}", exc, left)
+                return None
+            expected = self._producer_epoch()
+            if expected is not None and epoch != expected:
+                lender.close()
+                self._down(f"shm socket {path} belongs to another producer (epoch {epoch})")
+                return None
+            with self._lock:
+                self._lender, self._lends = lender, {}  # a new connection: earlier lends ended
+            return lender
+        finally:
+            self._connecting.release()
 
     def _down(self, why: str, exc: Exception | None = None, timeout_s: float | None = None) -> None:
         # A request that had too little time to tell says nothing of the socket: the next

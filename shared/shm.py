@@ -324,11 +324,19 @@ class ShmLender:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         fd = buffer.fd  # ValueError when the buffer is closed, before anything is sent
-        with self._lock:
-            deadline = time.monotonic() + self._limit(timeout_s)
+        deadline = time.monotonic() + self._limit(timeout_s)
+        # Waiting for another request on this connection counts; a lend that cannot start
+        # in time leaves the connection (and the lends made over it) as it is.
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ShmTimedOut(f"lend over {self.path}: the connection stayed busy")
+        try:
+            if deadline <= time.monotonic():
+                raise ShmTimedOut(f"lend over {self.path}: no time left")
             answer = self._exchange(
                 {"op": "lend", "role": role, "token": self._token}, (fd,), "lend", deadline
             )
+        finally:
+            self._lock.release()
         if not answer.get("ok"):
             raise ShmRefused(str(answer.get("error")))
         lend_id = answer.get("lend_id")

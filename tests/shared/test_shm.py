@@ -31,6 +31,7 @@ from kvpark.shm import (
     SharedBuffer,
     ShmLender,
     ShmRefused,
+    ShmTimedOut,
     ShmUnavailable,
     decode_message,
     encode_message,
@@ -650,3 +651,54 @@ def test_copy_throughput_print(server: ShmLendingServer, lenders: Any) -> None:
         "\nshm copy throughput (256 MiB, best of 5): "
         + ", ".join(f"{name} {gbps:.1f} GB/s" for name, gbps in results.items())
     )
+
+
+def test_a_lend_with_no_time_left_leaves_the_connection_and_its_lends(
+    server: ShmLendingServer, lenders: Any
+) -> None:
+    """A lend given no time (a load whose budget is spent) fails as timed out before anything
+    is sent: the connection, and every lend made over it, stay as they were."""
+    lender = lenders(server, "fetch")
+    with SharedBuffer(4096) as held, SharedBuffer(4096) as late:
+        lend_id = lender.lend(held, "fetch")
+        with pytest.raises(ShmTimedOut):
+            lender.lend(late, "fetch", 0.0)
+        assert lender.connected
+        assert server.get(lend_id, "fetch") is not None
+        assert lender.release(lend_id) is True
+
+
+def test_first_lends_from_many_threads_share_one_connection(server: ShmLendingServer) -> None:
+    """Eight loads lending their buffers at once, before the client is connected: one thread
+    connects and the others use its connection, so every lend id handed out is alive (two
+    connections made at once would replace each other and end the loser's lends)."""
+    for _ in range(5):
+        ids = _first_lends_at_once(server, 8)
+        assert all(ids), ids
+        wait_for(lambda: server.lend_count == 0, what="the lends ended with the connection")
+
+
+def _first_lends_at_once(server: ShmLendingServer, n: int) -> list[str | None]:
+    """Lend ids that `n` threads got for `n` buffers of a new client, all starting together;
+    None where a lend failed or had already ended on the producer when it returned."""
+    from kvpark.client._shm import ShmAccess
+
+    access = ShmAccess(server.path, TOKENS["fetch"], "fetch", lambda: EPOCH, lambda: None)
+    buffers = [access.shared_buffer(4096) for _ in range(n)]
+    start = threading.Barrier(n)
+    ids: list[str | None] = [None] * n
+
+    def lend(i: int) -> None:
+        start.wait()
+        found = access.lend_of(buffers[i], 5.0)
+        ids[i] = found[0] if found else None
+
+    threads = [threading.Thread(target=lend, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        return [i if i and server.get(i, "fetch") is not None else None for i in ids]
+    finally:
+        access.close()
