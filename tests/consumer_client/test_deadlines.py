@@ -196,9 +196,12 @@ async def test_rule_none_means_no_limit_for_a_client() -> None:
             assert unbounded.timeout.total_s is None
             loading = asyncio.ensure_future(unbounded.load("later", num_chunks=1))
             await asyncio.sleep(0.6)
+            # Still waiting twice as long as the bounded client below may: no deadline applied.
+            # (The load's own clock starts after its ServerInfo round trip, so its elapsed_s
+            # is not a reliable measure of this wait.)
+            assert not loading.done()
             await park(stub, "later", {0: b"kv"}, total=1)
-            result = await loading
-            assert result.ok and result.elapsed_s >= 0.6
+            assert (await loading).ok
         async with AsyncKVConsumer(server.target, timeout=0.3) as bounded:
             assert (await bounded.load("never", num_chunks=1)).reason is Reason.TIMEOUT
 
