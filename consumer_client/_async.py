@@ -147,6 +147,7 @@ class AsyncKVConsumer(ClientBase):
             await asyncio.gather(*tasks, return_exceptions=True)
         channel, self._channel = self._channel, None
         self._core.shm.close()
+        self._core.data_connections.close()
         if channel is not None:
             await channel.close()
 
@@ -387,6 +388,7 @@ class AsyncKVConsumer(ClientBase):
             self._core.data_tls,
             self._core.channel.tls_server_name,
             self._core.tcp_worked,
+            self._core.data_connections,
         )
         reading = asyncio.ensure_future(asyncio.to_thread(receiver.run, session))
         try:

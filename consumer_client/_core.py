@@ -31,6 +31,7 @@ from kvpark.shm import FETCH_ROLE
 
 from ._buffers import Destination, IntoBuffer, destination_for
 from ._channel import ChannelSettings
+from ._data_connections import DataConnections
 from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
 from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
@@ -105,6 +106,7 @@ class ClientCore:
             producer_epoch=lambda: self.info.producer_epoch if self.info else None,
             advertised_path=lambda: self.info.shm_socket if self.info else None,
         )
+        self.data_connections = DataConnections()
         self.timeout = to_timeout(timeout)
         self.confirm = confirm
         self.info: ProducerInfo | None = None

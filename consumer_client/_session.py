@@ -114,6 +114,7 @@ class LoadSession:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait_timeout_s,
             accept_transports=accept,
+            reuse_data_connection=pb.TRANSPORT_TCP in accept,
             shm_lend_id=shm.lend_id if shm else "",
             shm_offset=shm.offset if shm else 0,
             shm_length=shm.length if shm else 0,

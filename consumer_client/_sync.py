@@ -144,6 +144,7 @@ class KVConsumer(ClientBase):
         if confirmer is not None:
             confirmer.shutdown(wait=False, cancel_futures=True)
         self._core.shm.close()
+        self._core.data_connections.close()
         if channel is not None:
             channel.close()
 
@@ -352,6 +353,7 @@ class KVConsumer(ClientBase):
                         self._core.data_tls,
                         self._core.channel.tls_server_name,
                         self._core.tcp_worked,
+                        self._core.data_connections,
                     )
                     step = receiver.run(session)
                 if step is not Step.CONTINUE:

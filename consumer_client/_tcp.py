@@ -4,6 +4,10 @@ straight into the destination (kvpark.tcp_frames), and let the session check eac
 It runs on the calling thread (sync client) or a worker thread (async client): `recv_into`
 and the CRC release the GIL. The gRPC call stays open beside it; its TransferDone still says
 how the transfer ended, and a cancel of that call still tells the producer to stop.
+
+A connection the client kept from an earlier load to the same data address carries the ticket
+when there is one (consumer_client/_data_connections.py); a transfer that ends with the end
+frame leaves its connection there for the next load. Any other end closes it.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from kvpark.pb import kvpark_pb2 as pb
 from kvpark.tcp_frames import (
     ACCEPTED,
     FrameError,
+    is_end,
     recv_exactly,
     recv_header,
     recv_payload,
 )
 
+from ._data_connections import DataConnections
 from ._result import Reason
 from ._session import LoadSession, Step
 from ._timeouts import CONCLUSIVE_TIMEOUT_S, OUT_OF_BAND_SHARE
@@ -66,6 +72,7 @@ class TcpReceiver:
         tls: ssl.SSLContext | None,
         server_name: str | None = None,
         on_connected: Callable[[], None] | None = None,
+        connections: DataConnections | None = None,
     ) -> None:
         self._offer = offer
         self._target = target
@@ -78,6 +85,11 @@ class TcpReceiver:
         self._on_connected = on_connected
         self._sock: socket.socket | None = None
         self._aborted = False
+        # Where this connection goes when its transfer ends with the end frame, and under
+        # which key (None: the client keeps no connections).
+        self._connections = connections
+        self._key: tuple[str, int, bool, str | None] | None = None
+        self.reused = False  # the ticket went over a kept connection
 
     def abort(self) -> None:
         self._aborted = True
@@ -112,6 +124,20 @@ class TcpReceiver:
                 raise TimeoutError("timed out")
             return remaining
 
+        self._key = (address.host, address.port, offer.tls, self._server_name)
+        kept = None if self._connections is None else self._connections.take(self._key)
+        if kept is not None:
+            self._sock = kept
+            try:
+                answer = _present(kept, offer.ticket, left)
+            except (OSError, ssl.SSLError):  # FrameError too: it died while idle
+                answer = b""
+            if answer == ACCEPTED:
+                self.reused = True
+                if self._on_connected is not None:
+                    self._on_connected()
+                return kept
+            kept.close()  # a new connection below, with the same ticket and what time is left
         try:
             sock = socket.create_connection((address.host, address.port), timeout=left())
             self._sock = sock
@@ -122,11 +148,7 @@ class TcpReceiver:
                     sock, server_hostname=self._server_name or address.host
                 )
                 self._sock = sock
-            sock.settimeout(left())
-            sock.sendall(offer.ticket)
-            answer = bytearray(1)
-            sock.settimeout(left())
-            recv_exactly(sock, memoryview(answer))
+            answer = _present(sock, offer.ticket, left)
         except FrameError:
             # The producer closed the connection without a word: it no longer waited for this
             # ticket (the Fetch ended meanwhile, or its handshake took too long there).
@@ -142,7 +164,7 @@ class TcpReceiver:
                 f"data connection to {address}: {exc or type(exc).__name__}",
                 transport="tcp", path_failed=conclusive,
             ) from None  # fmt: skip
-        if bytes(answer) != ACCEPTED:
+        if answer != ACCEPTED:
             self.abort()
             raise Fallback(
                 f"data connection to {address}: the ticket was not accepted",
@@ -159,12 +181,16 @@ class TcpReceiver:
         remaining = session.remaining_s()
         share = CONNECT_TIMEOUT_S if remaining is None else remaining * OUT_OF_BAND_SHARE
         sock = self._connect(min(CONNECT_TIMEOUT_S, share))
+        ended = False  # the end frame came: the connection is idle and may be kept
         try:
             sock.settimeout(session.remaining_s())
             while True:
                 header = recv_header(sock)
                 if header is None:
                     return Step.CONTINUE  # the producer is done: the TransferDone says how
+                if is_end(header):
+                    ended = True
+                    return Step.CONTINUE  # ... and keeps the connection for our next load
                 chunk_id, crc32c, nbytes = header
                 refused = session.expected_chunk(chunk_id)
                 if refused is not None:
@@ -183,7 +209,30 @@ class TcpReceiver:
             # call tells which.
             return Step.CONTINUE
         finally:
-            self.abort()
+            self._release(ended)
+
+    def _release(self, ended: bool) -> None:
+        """Keeps the connection for the next load when its transfer ended with the end frame
+        (and nobody aborted it meanwhile), else closes it."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        if ended and not self._aborted and self._connections is not None:
+            assert self._key is not None
+            self._connections.give(self._key, sock)
+        else:
+            sock.close()
+
+
+def _present(sock: socket.socket, ticket: bytes, left: Callable[[], float]) -> bytes:
+    """Sends the ticket and returns the producer's one-byte answer, each step within what
+    `left()` says the attempt has left."""
+    sock.settimeout(left())
+    sock.sendall(ticket)
+    answer = bytearray(1)
+    sock.settimeout(left())
+    recv_exactly(sock, memoryview(answer))
+    return bytes(answer)
 
 
 def _failed(why: str) -> Fallback:

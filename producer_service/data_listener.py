@@ -7,32 +7,50 @@ handshake timeout; anything else — no ticket, an unknown, forged or reused one
 broken TLS handshake — is closed with nothing sent. A ticket also dies with its Fetch
 (`forget`), so a connection can never attach to a transfer that already ended.
 
-Connections are accepted on a thread of their own and each handshake (TLS, then the ticket)
-runs on a short-lived thread, bounded in number, so a slow or hostile peer never holds up the
-event loop or the next consumer. The Fetch writes to the socket it is handed from worker
-threads (producer_service/transports.py).
+A connection whose Fetch ended with the end frame (the consumer keeps its data connections)
+comes back here (`keep`) and waits, idle, for that consumer's next ticket; it counts as a new
+connection for that ticket, with the same rules minus the TLS handshake it already made. Idle
+connections cost a file descriptor and socket buffers, no thread: at most MAX_IDLE are kept
+(the longest idle is closed first), each at most IDLE_TIMEOUT_S, longer than the bundled
+clients keep theirs, so a consumer normally closes first and never sends a ticket into a
+connection that is being closed.
+
+One thread watches the listening socket and the idle connections (a selector); each
+handshake (TLS, then the ticket) runs on a short-lived thread, bounded in number, so a slow or
+hostile peer never holds up the event loop or the next consumer. The Fetch writes to the
+socket it is handed from worker threads (producer_service/transports.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+import selectors
 import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
 from kvpark.address import Address
 from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_exactly
 
 from .logs import LOGGER_NAME
+from .metrics import ProducerMetrics
 
 log = logging.getLogger(LOGGER_NAME)
 
 # Handshakes (TLS + ticket) in progress at once; more connections wait in the listen backlog.
 MAX_HANDSHAKES = 64
 HANDSHAKE_TIMEOUT_S = 5.0
+# Kept connections waiting for their consumer's next ticket.
+MAX_IDLE = 1024
+IDLE_TIMEOUT_S = 60.0
+# How often the listener thread looks at `stop` and at idle connections that timed out.
+_TICK_S = 0.25
 
 
 class DataListener:
@@ -43,11 +61,14 @@ class DataListener:
         tls: ssl.SSLContext | None,
         loop: asyncio.AbstractEventLoop,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        metrics: ProducerMetrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._address = address
         self._tls = tls
         self._loop = loop
         self._timeout = handshake_timeout_s
+        self.idle_timeout_s = IDLE_TIMEOUT_S  # read on every tick of the listener thread
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         # ticket -> the Fetch's future for its connection. Added by `expect`, removed by the
@@ -56,8 +77,19 @@ class DataListener:
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._stopping = threading.Event()
+        # Connections handed back by `keep`, for the listener thread to watch; the socket pair
+        # wakes that thread up for them.
+        self._kept: list[socket.socket] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # Idle connections, longest idle first: socket -> when it became idle. Only the
+        # listener thread touches it.
+        self._idle: OrderedDict[socket.socket, float] = OrderedDict()
         self.port = 0
         self.refused = 0  # connections closed without a valid ticket
+        self.accepted = 0  # new connections that presented a valid ticket
+        self.reused = 0  # tickets taken on a kept connection
 
     @property
     def tls(self) -> bool:
@@ -69,19 +101,29 @@ class DataListener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((self._address.host, self._address.port))
         listener.listen(128)
-        listener.settimeout(0.25)  # lets the accept thread see `stop`
+        listener.setblocking(False)
         self._listener = listener
         self.port = int(listener.getsockname()[1])
-        self._thread = threading.Thread(target=self._accept, name="kvpark-data", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="kvpark-data", daemon=True)
         self._thread.start()
         return self.port
 
     def stop(self) -> None:
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
+            self._wake()
         if self._thread is not None:
             self._thread.join(5)
         if self._listener is not None:
             self._listener.close()
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for conn in [*kept, *self._idle]:
+            conn.close()
+        self._idle.clear()
+        with self._lock:
+            self._wake_r.close()
+            self._wake_w.close()
         with self._lock:
             waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
@@ -101,40 +143,136 @@ class DataListener:
         with self._lock:
             self._waiting.pop(ticket, None)
 
+    def keep(self, conn: socket.socket) -> None:
+        """A Fetch ended with the end frame on `conn`: wait on it for the consumer's next
+        ticket (any thread)."""
+        with self._lock:
+            if self._stopping.is_set():
+                conn.close()
+                return
+            self._kept.append(conn)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wakes the listener thread (under the lock, so the socket pair is still open)."""
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+            self._wake_w.send(b"\0")
+
+    @property
+    def idle(self) -> int:
+        """Kept connections waiting for a ticket."""
+        return len(self._idle)
+
     # ---------------------------------------------------------------------------- threads
+    def _serve(self) -> None:
+        assert self._listener is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                for key, _ in selector.select(_TICK_S):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._watch_kept(selector)
+                    else:
+                        conn = key.fileobj
+                        assert isinstance(conn, socket.socket)
+                        if conn not in self._idle:  # closed for the limit in this same turn
+                            continue
+                        selector.unregister(conn)
+                        del self._idle[conn]
+                        self._idle_changed()
+                        self._start_handshake(conn, "a kept connection", kept=True)
+                self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
+
     def _accept(self) -> None:
         assert self._listener is not None
-        while not self._stopping.is_set():
+        while True:
             try:
                 conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                continue
-            self._handshakes.acquire()
-            threading.Thread(
-                target=self._handshake, args=(conn, peer), name="kvpark-data-hs", daemon=True
-            ).start()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, a connection reset before accept
+                log.debug("data listener: accept failed: %s", exc)
+                return
+            self._start_handshake(conn, peer, kept=False)
 
-    def _handshake(self, conn: socket.socket, peer: Any) -> None:
+    def _watch_kept(self, selector: selectors.BaseSelector) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+        with self._lock:
+            kept, self._kept = self._kept, []
+        now = time.monotonic()
+        for conn in kept:
+            if isinstance(conn, ssl.SSLSocket) and conn.pending():
+                # TLS already holds the next ticket's bytes: the selector would never fire.
+                self._start_handshake(conn, "a kept connection", kept=True)
+                continue
+            selector.register(conn, selectors.EVENT_READ)
+            self._idle[conn] = now
+        # Over the limit: the longest idle go first.
+        self._close_idle(selector, float("-inf"), keep_at_most=MAX_IDLE)
+        self._idle_changed()
+
+    def _close_idle(
+        self, selector: selectors.BaseSelector, before: float, keep_at_most: int = MAX_IDLE
+    ) -> None:
+        """Closes the connections idle since `before`, and the longest idle beyond
+        `keep_at_most`."""
+        while self._idle:
+            conn, since = next(iter(self._idle.items()))
+            if since >= before and len(self._idle) <= keep_at_most:
+                return
+            selector.unregister(conn)
+            del self._idle[conn]
+            conn.close()
+            self._idle_changed()
+
+    def _idle_changed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.data_connections_idle.set(len(self._idle))
+
+    def _count(self, connection: str) -> None:
+        if self._metrics is not None:
+            self._metrics.count_data_connection(connection)
+
+    def _start_handshake(self, conn: socket.socket, peer: Any, *, kept: bool) -> None:
+        self._handshakes.acquire()
+        threading.Thread(
+            target=self._handshake, args=(conn, peer, kept), name="kvpark-data-hs", daemon=True
+        ).start()
+
+    def _handshake(self, conn: socket.socket, peer: Any, kept: bool) -> None:
         try:
             conn.settimeout(self._timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
+            if not kept:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls is not None:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
             ticket = bytearray(TICKET_BYTES)
-            recv_exactly(conn, memoryview(ticket))
+            view = memoryview(ticket)
+            first = conn.recv_into(view)
+            if first == 0 and kept:  # the consumer closed a connection it kept: no news
+                conn.close()
+                return
+            recv_exactly(conn, view[first:])
             with self._lock:
                 future = self._waiting.pop(bytes(ticket), None)
             if future is None:
                 raise ConnectionRefusedError("no Fetch waits for this ticket")
             conn.sendall(ACCEPTED)
             conn.settimeout(None)
+            if kept:
+                self.reused += 1
+            else:
+                self.accepted += 1
+            self._count("kept" if kept else "new")
             self._loop.call_soon_threadsafe(_deliver, future, conn)
         except (OSError, ssl.SSLError, ValueError) as exc:
             self.refused += 1
+            self._count("refused")
             log.debug("data connection from %s refused: %s", peer, exc)
             conn.close()
         finally:

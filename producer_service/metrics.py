@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
@@ -32,6 +33,8 @@ from kvpark.pb import kvpark_pb2 as pb
 from .lot import LotStatistics, Reason, reason_name
 from .pool import PoolStatistics
 
+# The `connection` label of kvpark_data_connections_total.
+DATA_CONNECTIONS = ("new", "kept", "refused")
 # The `transport` label of each Transport a Fetch can use.
 _TRANSPORTS = {pb.TRANSPORT_GRPC: "grpc", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_SHM: "shm"}
 
@@ -148,6 +151,20 @@ class ProducerMetrics:
         )  # fmt: skip
         for transport in _TRANSPORTS.values():  # every series from the start, at 0
             self.sent_bytes_total.labels(transport)
+        # How TCP data connections presented their tickets: on a new connection, on one kept
+        # from an earlier Fetch, or refused. Many TCP Fetches and few "kept" means consumers
+        # pay a connect (and a TLS handshake) per load.
+        self.data_connections_total = Counter(
+            "kvpark_data_connections", "Data-connection tickets by connection: new, kept, refused",
+            ["connection"], registry=r,
+        )  # fmt: skip
+        for connection in DATA_CONNECTIONS:
+            self.data_connections_total.labels(connection)
+        self.data_connections_idle = Gauge(
+            "kvpark_data_connections_idle",
+            "Kept data connections waiting for their consumer's next ticket",
+            registry=r,
+        )
         self.suppressed_warnings_total = Counter(
             "kvpark_suppressed_warnings",
             "Warnings not logged because the same warning was logged recently",
@@ -190,6 +207,10 @@ class ProducerMetrics:
     def count_sent(self, nbytes: int, transport: pb.Transport) -> None:
         self.sent_bytes_total.labels(_TRANSPORTS[transport]).inc(nbytes)
         self.sent_bytes += nbytes
+
+    def count_data_connection(self, connection: str) -> None:
+        """One ticket presented (any thread): `connection` is one of DATA_CONNECTIONS."""
+        self.data_connections_total.labels(connection).inc()
 
     def count_suppressed(self, kind: str) -> None:
         self._suppressed.inc(kind)

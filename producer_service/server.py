@@ -198,7 +198,10 @@ class ProducerServer:
         data_address = ""
         if c.data_address is not None:
             self.data = DataListener(
-                c.data_address, tls=self._data_tls(), loop=asyncio.get_running_loop()
+                c.data_address,
+                tls=self._data_tls(),
+                loop=asyncio.get_running_loop(),
+                metrics=self.metrics,
             )
             self.data_port = self.data.start()
             advertised = Address.parse(c.advertise_address) if c.advertise_address else None

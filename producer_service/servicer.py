@@ -306,7 +306,8 @@ class KVProducerServicer:
                 while True:
                     ready = await self._ready(binding, wakeup, batch_bytes)
                     if isinstance(ready, FetchEnd):
-                        destination.close()  # a data connection ends before the TransferDone
+                        # A data connection ends (or is kept) before the TransferDone.
+                        await destination.finish()
                         done = self._fetch_done(ready, started, destination.transport)
                         await context.write(done)
                         return
@@ -373,7 +374,8 @@ class KVProducerServicer:
                     )
             finally:
                 self._data.forget(ticket)  # used or not, it opens nothing any more
-            return TcpStream(sock, stall_s, self._threads)
+            keep = self._data.keep if request.reuse_data_connection else None
+            return TcpStream(sock, stall_s, self._threads, keep)
         on_stall = functools.partial(self._stalled, binding, binding.entry.kv_request_id, context)
         return GrpcStream(context, stall_s, on_stall)
 

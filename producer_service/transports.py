@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvpark import wire
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.tcp_frames import FrameWriter
+from kvpark.tcp_frames import END_CHUNK_ID, FrameWriter
 
 from .data_threads import DataThreads
 from .lot import ReadyChunk
@@ -60,7 +60,11 @@ class Destination(Protocol):
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None: ...
 
-    def close(self) -> None: ...
+    async def finish(self) -> None:
+        """The Fetch ended (before its TransferDone): close or hand back what it used."""
+
+    def close(self) -> None:
+        """The Fetch is over, however it ended; idempotent."""
 
 
 class GrpcStream:
@@ -87,6 +91,9 @@ class GrpcStream:
             finally:
                 watchdog.cancel()
 
+    async def finish(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -99,18 +106,45 @@ class TcpStream:
     take bytes again (or for the stall bound), then hands the rest of the batch to a thread
     again. So consumers that stop reading, however many, never hold the data threads that
     other fetches and shm parks need; a consumer that reads keeps a thread as long as it does.
+
+    With `keep` (the consumer keeps its data connections), a Fetch that ends writes the end
+    frame and hands the connection to `keep` (the data listener, which waits for the next
+    ticket on it) instead of closing it. A Fetch cut off mid-frame (cancel, stall, a failed
+    write) always closes: only a connection at a frame boundary can carry another transfer.
     """
 
     transport = pb.TRANSPORT_TCP
 
-    def __init__(self, sock: socket.socket, stall_s: float, threads: DataThreads) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        stall_s: float,
+        threads: DataThreads,
+        keep: Callable[[socket.socket], None] | None = None,
+    ) -> None:
         sock.settimeout(WRITE_PAUSE_S)
         self._sock = sock
         self._stall_s = stall_s
         self._threads = threads
+        self._keep = keep
+        self._handed_back = False
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
-        writer = FrameWriter((c.chunk_id, c.crc32c, c.views) for c in chunks)
+        await self._write(FrameWriter((c.chunk_id, c.crc32c, c.views) for c in chunks))
+
+    async def finish(self) -> None:
+        if self._keep is None:
+            self.close()
+            return
+        try:
+            await self._write(FrameWriter([(END_CHUNK_ID, 0, ())]))
+        except (Stalled, OSError):
+            self.close()  # the consumer sees the connection end, not the end frame
+            return
+        self._handed_back = True
+        self._keep(self._sock)
+
+    async def _write(self, writer: FrameWriter) -> None:
         loop = asyncio.get_running_loop()
         progress_at, sent = loop.time(), 0
         while not await self._threads.run(writer.write, self._sock, interrupt=self._interrupt):
@@ -148,7 +182,8 @@ class TcpStream:
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self._sock.close()
+        if not self._handed_back:
+            self._sock.close()
 
 
 class ShmStream:
@@ -187,6 +222,9 @@ class ShmStream:
             pos += step.nbytes
         await self._context.write(pb.FetchResponse(placed=placed).SerializeToString())
         self._pos = pos
+
+    async def finish(self) -> None:
+        pass
 
     def _copy(self, chunks: Sequence[ReadyChunk], pos: int) -> None:
         target = self._target

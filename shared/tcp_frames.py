@@ -2,11 +2,17 @@
 
 A consumer connects to the producer's data address and sends the 32-byte ticket its Fetch was
 given; the producer answers one byte (ACCEPTED) once the ticket matched, then writes one frame
-per chunk, in request order, and closes the connection after the last one. The byte lets a
-consumer tell a data path that failed before it started (no byte: fall back to the gRPC
-stream) from a transfer that ended (the call's TransferDone says how):
+per chunk, in request order, and closes the connection after the last one (or keeps it,
+below). The byte lets a consumer tell a data path that failed before it started (no byte:
+fall back to the gRPC stream) from a transfer that ended (the call's TransferDone says how):
 
     frame = chunk_id u32 | crc32c u32 | nbytes u64   (16 bytes, little-endian) | payload
+
+A consumer that keeps its data connections (FetchRequest.reuse_data_connection) gets an end
+frame instead of the close: chunk id END_CHUNK_ID, crc 0, nbytes 0 (no chunk has that id:
+ids are below the id's chunk count, a u32). The connection is then idle at both ends and
+carries the consumer's next ticket for this producer, which spares a later Fetch the connect,
+the TLS handshake and TCP's window ramp.
 
 The producer writes each frame with `sendmsg` of the header and the pool's own memoryviews
 (the kernel copies them into the socket; nothing is copied in user space), and the consumer
@@ -26,6 +32,7 @@ from kvpark.checksum import crc32c_of
 
 TICKET_BYTES = 32
 ACCEPTED = b"\x01"
+END_CHUNK_ID = 0xFFFFFFFF
 _HEADER = struct.Struct("<IIQ")
 HEADER_BYTES = _HEADER.size
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux); a chunk has a few extents.
@@ -38,6 +45,11 @@ class FrameError(ConnectionError):
 
 def header(chunk_id: int, crc32c: int, nbytes: int) -> bytes:
     return _HEADER.pack(chunk_id, crc32c, nbytes)
+
+
+def is_end(frame_header: tuple[int, int, int]) -> bool:
+    """Whether a received header is the end frame of a kept connection."""
+    return frame_header == (END_CHUNK_ID, 0, 0)
 
 
 class FrameWriter:

@@ -164,7 +164,7 @@ class ParkResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length")
+    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length", "reuse_data_connection")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class FetchRequest(_message.Message):
     SHM_LEND_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REUSE_DATA_CONNECTION_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     chunk_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_epoch: int
@@ -181,7 +182,8 @@ class FetchRequest(_message.Message):
     shm_lend_id: str
     shm_offset: int
     shm_length: int
-    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., accept_transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_lend_id: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ...) -> None: ...
+    reuse_data_connection: bool
+    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., accept_transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_lend_id: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., reuse_data_connection: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("chunk", "done", "data_offer", "placed")

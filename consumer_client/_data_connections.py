@@ -1,0 +1,81 @@
+"""Data connections a client keeps between TCP loads, per producer data address.
+
+A TCP load that ended with the producer's end frame leaves its connection idle at both ends
+(kvpark.tcp_frames); the next load to that address sends its ticket on it instead of
+connecting again. That spares each load after the first a connect, a TLS handshake (a few
+round trips and the key exchange's CPU on both sides) and TCP's window ramp on a fresh
+connection (~1.5 ms of an 8 MB load on loopback, docs/performance.md).
+
+A connection is kept at most IDLE_S, well under the producer's 60 s, so the client is the one
+that closes it and never sends a ticket into a connection the producer is closing. One the
+producer closed anyway (it restarted, it hit its limit) shows as readable before use and is
+dropped then; one that dies between that check and the ticket is the receiver's to retry on a
+new connection (consumer_client/_tcp.py).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Hashable
+
+# How long a connection may sit idle here before it is closed instead of used.
+IDLE_S = 30.0
+# Kept connections per address: as many as loads to one producer usually run at once.
+MAX_PER_ADDRESS = 64
+
+
+class DataConnections:
+    """Idle data connections by address key; safe to use from any thread."""
+
+    def __init__(self, idle_s: float = IDLE_S) -> None:
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._idle: dict[Hashable, list[tuple[socket.socket, float]]] = {}
+        self._closed = False
+
+    def take(self, key: Hashable) -> socket.socket | None:
+        """The most recently kept connection to `key` that still looks usable, or None."""
+        while True:
+            with self._lock:
+                kept = self._idle.get(key)
+                if not kept:
+                    return None
+                sock, since = kept.pop()
+            if time.monotonic() - since < self._idle_s and _quiet(sock):
+                return sock
+            sock.close()
+
+    def give(self, key: Hashable, sock: socket.socket) -> None:
+        """Keeps `sock`, idle at a frame boundary, for the next load to `key`."""
+        with self._lock:
+            kept = self._idle.setdefault(key, [])
+            if not self._closed and len(kept) < MAX_PER_ADDRESS:
+                kept.append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    def idle(self, key: Hashable) -> int:
+        with self._lock:
+            return len(self._idle.get(key, ()))
+
+    def close(self) -> None:
+        """Closes every kept connection; later ones are closed as they are given."""
+        with self._lock:
+            self._closed = True
+            kept, self._idle = self._idle, {}
+        for connections in kept.values():
+            for sock, _ in connections:
+                sock.close()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Whether an idle connection is open and has nothing to read: the producer sends nothing
+    between transfers, so anything readable is its close (or a reset)."""
+    if sock.fileno() < 0:
+        return False
+    poller = select.poll()  # not select(): descriptors above 1023 are common in a server
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
