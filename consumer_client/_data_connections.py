@@ -41,10 +41,11 @@ class DataConnections:
         while True:
             with self._lock:
                 kept = self._idle.get(key)
-                if not kept:
-                    return None
-                sock, since = kept.pop()
-            if time.monotonic() - since < self._idle_s and _quiet(sock):
+                expired = self._expired(kept)
+                sock = kept.pop()[0] if kept else None
+            for old in expired:
+                old.close()
+            if sock is None or _quiet(sock):
                 return sock
             sock.close()
 
@@ -52,10 +53,22 @@ class DataConnections:
         """Keeps `sock`, idle at a frame boundary, for the next load to `key`."""
         with self._lock:
             kept = self._idle.setdefault(key, [])
-            if not self._closed and len(kept) < MAX_PER_ADDRESS:
+            expired = self._expired(kept)
+            if self._closed or len(kept) >= MAX_PER_ADDRESS:
+                expired.append(sock)
+            else:
                 kept.append((sock, time.monotonic()))
-                return
-        sock.close()
+        for old in expired:
+            old.close()
+
+    def _expired(self, kept: list[tuple[socket.socket, float]] | None) -> list[socket.socket]:
+        """Takes the connections idle for IDLE_S out of `kept` (oldest first, under the
+        lock), so that a burst's extra connections are closed by the client, not left behind
+        once the producer closed its end."""
+        expired = []
+        while kept and time.monotonic() - kept[0][1] >= self._idle_s:
+            expired.append(kept.pop(0)[0])
+        return expired
 
     def idle(self, key: Hashable) -> int:
         with self._lock:

@@ -42,6 +42,10 @@ CONNECT_TIMEOUT_S = 1.0
 # How long a client leaves TCP out of its Fetches after a data connection failed for a reason
 # that will not go away by itself (refused, unreachable, dropped, a TLS mismatch).
 RETRY_AFTER_S = 10.0
+# The share of that attempt a kept connection gets to have its ticket accepted (it answers in
+# well under a millisecond when alive); the rest is for a new connection when it does not: one
+# that died without a word (the producer's host gone, a NAT that forgot it) costs only this.
+KEPT_SHARE = 0.5
 
 
 class Fallback(Exception):
@@ -116,31 +120,18 @@ class TcpReceiver:
         if budget_s <= 0:
             raise Fallback("no time left to connect", transport="tcp", path_failed=False)
         deadline = time.monotonic() + budget_s
-
-        def left() -> float:
-            # Each socket call takes the time the attempt has left, not a fresh timeout.
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("timed out")
-            return remaining
-
         self._key = (address.host, address.port, offer.tls, self._server_name)
-        kept = None if self._connections is None else self._connections.take(self._key)
+        kept = self._ticket_on_kept(min(deadline, time.monotonic() + budget_s * KEPT_SHARE))
         if kept is not None:
-            self._sock = kept
-            try:
-                answer = _present(kept, offer.ticket, left)
-            except (OSError, ssl.SSLError):  # FrameError too: it died while idle
-                answer = b""
-            if answer == ACCEPTED:
-                self.reused = True
-                if self._on_connected is not None:
-                    self._on_connected()
-                return kept
-            kept.close()  # a new connection below, with the same ticket and what time is left
+            return kept
+        left = _until(deadline)
+        fresh_s = deadline - time.monotonic()  # what the new connection had, for `conclusive`
         try:
             sock = socket.create_connection((address.host, address.port), timeout=left())
             self._sock = sock
+            if self._aborted:  # abort() ran while we connected: it could not close this one
+                self.abort()
+                raise Fallback("the load was abandoned", transport="tcp", path_failed=False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if offer.tls and self._tls is not None:
                 sock.settimeout(left())  # the whole handshake, as one call
@@ -158,8 +149,12 @@ class TcpReceiver:
                 transport="tcp", path_failed=False,
             ) from None  # fmt: skip
         except (OSError, ssl.SSLError) as exc:
+            # A failure the load's own abort caused, or a timeout with little time to try,
+            # says nothing about the path.
+            conclusive = not self._aborted and (
+                not isinstance(exc, TimeoutError) or fresh_s >= CONCLUSIVE_TIMEOUT_S
+            )
             self.abort()
-            conclusive = not isinstance(exc, TimeoutError) or budget_s >= CONCLUSIVE_TIMEOUT_S
             raise Fallback(
                 f"data connection to {address}: {exc or type(exc).__name__}",
                 transport="tcp", path_failed=conclusive,
@@ -173,6 +168,29 @@ class TcpReceiver:
         if self._on_connected is not None:
             self._on_connected()
         return sock
+
+    def _ticket_on_kept(self, deadline: float) -> socket.socket | None:
+        """A kept connection to this address with the ticket accepted, or None (none kept,
+        or it failed by `deadline`: then the caller connects anew with the same ticket).
+        Raises Fallback when the load was abandoned meanwhile."""
+        assert self._key is not None
+        kept = None if self._connections is None else self._connections.take(self._key)
+        if kept is None:
+            return None
+        self._sock = kept
+        try:
+            answer = _present(kept, self._offer.ticket, _until(deadline))
+        except (OSError, ssl.SSLError):  # FrameError too: it died while idle
+            answer = b""
+        if answer == ACCEPTED:
+            self.reused = True
+            if self._on_connected is not None:
+                self._on_connected()
+            return kept
+        kept.close()
+        if self._aborted:
+            raise Fallback("the load was abandoned", transport="tcp", path_failed=False)
+        return None
 
     def run(self, session: LoadSession) -> Step:
         """Reads every frame into the session's destination. CONTINUE: read the gRPC stream
@@ -222,6 +240,19 @@ class TcpReceiver:
             self._connections.give(self._key, sock)
         else:
             sock.close()
+
+
+def _until(deadline: float) -> Callable[[], float]:
+    """The time left until `deadline`, for each socket call of an attempt in turn (not a
+    fresh timeout per call); TimeoutError once it passed."""
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        return remaining
+
+    return left
 
 
 def _present(sock: socket.socket, ticket: bytes, left: Callable[[], float]) -> bytes:

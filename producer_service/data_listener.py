@@ -118,9 +118,14 @@ class DataListener:
             self._listener.close()
         with self._lock:
             kept, self._kept = self._kept, []
-        for conn in [*kept, *self._idle]:
+        # The idle connections are the listener thread's; it has ended unless the join timed
+        # out, and then the process is going away anyway.
+        idle = [] if self._thread is not None and self._thread.is_alive() else list(self._idle)
+        for conn in [*kept, *idle]:
             conn.close()
-        self._idle.clear()
+        if idle:
+            self._idle.clear()
+            self._idle_changed()
         with self._lock:
             self._wake_r.close()
             self._wake_w.close()
@@ -170,21 +175,27 @@ class DataListener:
             selector.register(self._listener, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
             while not self._stopping.is_set():
-                for key, _ in selector.select(_TICK_S):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._watch_kept(selector)
-                    else:
-                        conn = key.fileobj
-                        assert isinstance(conn, socket.socket)
-                        if conn not in self._idle:  # closed for the limit in this same turn
-                            continue
-                        selector.unregister(conn)
-                        del self._idle[conn]
-                        self._idle_changed()
-                        self._next_ticket(conn)
-                self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
+                try:
+                    self._turn(selector)
+                except Exception:  # never end the thread: no new data connection would work
+                    log.exception("data listener: unexpected error; going on")
+
+    def _turn(self, selector: selectors.BaseSelector) -> None:
+        for key, _ in selector.select(_TICK_S):
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                self._watch_kept(selector)
+            else:
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket)
+                if conn not in self._idle:  # closed for the limit in this same turn
+                    continue
+                selector.unregister(conn)
+                del self._idle[conn]
+                self._idle_changed()
+                self._next_ticket(conn)
+        self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
 
     def _accept(self) -> None:
         assert self._listener is not None

@@ -128,12 +128,15 @@ class TcpStream:
         self._threads = threads
         self._keep = keep
         self._handed_back = False
+        # A write that did not finish (stall, cancel, error) may have stopped inside a frame:
+        # the connection can then never carry an end frame or another transfer.
+        self._broken = False
 
     async def send(self, chunks: Sequence[ReadyChunk]) -> None:
         await self._write(FrameWriter((c.chunk_id, c.crc32c, c.views) for c in chunks))
 
     async def finish(self) -> None:
-        if self._keep is None:
+        if self._keep is None or self._broken:
             self.close()
             return
         try:
@@ -147,6 +150,7 @@ class TcpStream:
     async def _write(self, writer: FrameWriter) -> None:
         loop = asyncio.get_running_loop()
         progress_at, sent = loop.time(), 0
+        self._broken = True  # until every frame of `writer` is out
         while not await self._threads.run(writer.write, self._sock, interrupt=self._interrupt):
             if writer.sent_bytes > sent:
                 progress_at, sent = loop.time(), writer.sent_bytes
@@ -154,6 +158,7 @@ class TcpStream:
             left_s = progress_at + self._stall_s - loop.time()
             if left_s <= 0 or not await self._writable(loop, left_s):
                 raise Stalled
+        self._broken = False
 
     async def _writable(self, loop: asyncio.AbstractEventLoop, within_s: float) -> bool:
         """Whether the socket takes bytes again within `within_s` (waited on the event loop,

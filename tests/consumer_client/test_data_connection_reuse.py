@@ -1,12 +1,15 @@
 """Data connections kept between TCP loads: the wire (end frame, the next ticket on the same
 connection, the close for consumers that do not ask), the bundled client's pool (one
-connection for loads in a row, TLS included), and every way a kept connection goes away: the
-client closes, the producer drops it while idle, or it dies just as the next ticket goes out.
-Each load still gets its bytes over TCP, and the pool's invariants hold."""
+connection for loads in a row, TLS included, expiry and limits), and every way a kept
+connection goes away: the client closes, the producer drops it while idle, it dies just as the
+next ticket goes out, it goes silent, the load is cancelled meanwhile; and the producer keeps
+only a connection whose transfer was written whole. Each load still gets its bytes over TCP,
+and the pool's invariants hold."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from pathlib import Path
@@ -18,6 +21,7 @@ import pytest
 from conftest import MiB, running_producer, stub_for, wait_until
 
 from kvpark import KVConsumer, KVParker
+from kvpark.checksum import crc32c_of
 from kvpark.client import _data_connections
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.tcp_frames import ACCEPTED, END_CHUNK_ID, recv_exactly, recv_header, recv_payload
@@ -116,7 +120,8 @@ async def test_loads_in_a_row_share_one_data_connection_until_the_client_closes(
             result, landed = await asyncio.to_thread(load, consumer, kid)
             assert result.ok and result.transport == "tcp" and landed == expected[kid], result
         assert (server.data.accepted, server.data.reused) == (1, 2)
-        assert server.data.idle == 1
+        # The producer's listener thread takes a handed-back connection in its next turn.
+        await wait_until(lambda: server.data.idle == 1, what="the connection kept")
 
         def sample(name: str, **labels: str) -> float | None:
             return server.metrics.registry.get_sample_value(name, labels)
@@ -153,9 +158,10 @@ async def test_a_tls_data_connection_is_kept_too(tmp_path: Path) -> None:
         assert (server.data.accepted, server.data.reused, server.data.refused) == (1, 1, 0)
 
 
-async def test_a_load_cut_off_mid_transfer_keeps_no_connection() -> None:
-    """A load that times out between frames closes its connection at both ends (it is not at
-    a frame boundary the producer knows of); the next load connects anew."""
+async def test_a_load_that_times_out_keeps_no_connection() -> None:
+    """A load that times out while the producer waits for its next chunk closes its
+    connection (the producer's Fetch is cancelled with it, its end closes too); the next load
+    connects anew and gets the whole id."""
     async with running_producer(**SETTINGS) as server:
         parts = data_for("half")
 
@@ -191,10 +197,131 @@ async def test_a_kept_connection_the_producer_dropped_is_replaced_within_the_loa
         expected = await asyncio.to_thread(park_all, server.target, ["d1", "d2"])
         with KVConsumer(server.target, transport="tcp") as consumer:
             first, _ = await asyncio.to_thread(load, consumer, "d1")
-            assert first.ok and server.data.idle == 1
+            assert first.ok
+            await wait_until(lambda: server.data.idle == 1, what="the connection kept")
             server.data.idle_timeout_s = 0.0
             await wait_until(lambda: server.data.idle == 0, what="the producer dropped it")
             second, landed = await asyncio.to_thread(load, consumer, "d2")
         assert second.ok and second.transport == "tcp" and landed == expected["d2"], second
         assert (server.data.accepted, server.data.reused) == (2, 0)
         server.lot.check_invariants()
+
+
+# ========================================================== the producer's end of a transfer
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut-mid-frame"])
+async def test_only_a_transfer_written_whole_hands_its_connection_back(cut: bool) -> None:
+    """The producer's TcpStream on a real socket pair: a transfer whose frames all went out
+    ends with the end frame and hands the connection back; one whose write stalled inside a
+    frame (the consumer stopped reading) closes it whatever happens to the Fetch next, since
+    an end frame there would be read as payload."""
+    from kvpark.producer.data_threads import DataThreads
+    from kvpark.producer.lot import ReadyChunk
+    from kvpark.producer.transports import Stalled, TcpStream
+
+    ours, theirs = socket.socketpair()
+    for sock in (ours, theirs):  # small buffers: a 4 MiB frame cannot fit while nobody reads
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    threads = DataThreads(1)
+    kept: list[socket.socket] = []
+    payload = np.arange(4 * MiB if cut else 4096, dtype=np.uint8).view(np.uint8)
+    chunk = ReadyChunk(7, crc32c_of(payload), [memoryview(payload)], payload.nbytes)
+    stream = TcpStream(ours, 0.2, threads, kept.append)
+    try:
+        if cut:
+            with pytest.raises(Stalled):
+                await stream.send([chunk])
+            # The consumer reads again: there is room for an end frame now, mid-chunk.
+            theirs.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while theirs.recv(1 << 20):
+                    pass
+        else:
+            await stream.send([chunk])
+        await stream.finish()
+        stream.close()  # as the servicer does on every exit: a no-op once handed back
+        if cut:
+            assert kept == [] and ours.fileno() == -1
+        else:
+            assert kept == [ours] and ours.fileno() != -1
+            theirs.settimeout(5)
+            frames, how = read_transfer(theirs)
+            assert how == "end" and frames == [(7, payload.tobytes())]
+    finally:
+        threads.close()
+        ours.close()
+        theirs.close()
+
+
+async def test_a_kept_connection_that_went_silent_costs_half_the_attempt_not_the_load() -> None:
+    """A kept connection whose peer vanished without a word (its host gone, a NAT that forgot
+    it) takes the ticket and never answers. The load gives it half of its connect attempt,
+    then connects anew and still goes over TCP; TCP is not marked as failing."""
+    async with running_producer(**SETTINGS) as server:
+        expected = await asyncio.to_thread(park_all, server.target, ["s1", "s2"])
+        with (
+            socket.create_server(("127.0.0.1", 0)) as black_hole,
+            KVConsumer(server.target, transport="tcp") as consumer,
+        ):
+            silent = socket.create_connection(black_hole.getsockname())
+            key = ("127.0.0.1", server.data_port, False, None)
+            consumer._core.data_connections.give(key, silent)
+            for kid in ("s1", "s2"):
+                result, landed = await asyncio.to_thread(load, consumer, kid)
+                assert result.ok and result.transport == "tcp", result
+                assert landed == expected[kid]
+            assert silent.fileno() == -1  # given up and closed
+        assert (server.data.accepted, server.data.reused) == (1, 1)
+
+
+async def test_a_load_cancelled_while_its_kept_connection_is_tried_connects_no_more() -> None:
+    """An async load cancelled while its ticket sits in a kept connection that does not answer
+    ends there: it does not go on to a new connection and read a transfer nobody wants."""
+    from kvpark import AsyncKVConsumer
+
+    async with running_producer(**SETTINGS) as server:
+        await asyncio.to_thread(park_all, server.target, ["c1"])
+        with socket.create_server(("127.0.0.1", 0)) as black_hole:
+            async with AsyncKVConsumer(server.target, transport="tcp") as consumer:
+                silent = socket.create_connection(black_hole.getsockname())
+                key = ("127.0.0.1", server.data_port, False, None)
+                consumer._core.data_connections.give(key, silent)
+                into = np.zeros(2 * CHUNK, np.uint8)
+                loading = asyncio.ensure_future(consumer.load("c1", num_chunks=2, into=into))
+                far_end, _ = await asyncio.to_thread(black_hole.accept)
+                with far_end:
+                    far_end.settimeout(10)
+                    ticket = bytearray(32)
+                    await asyncio.to_thread(recv_exactly, far_end, memoryview(ticket))
+                    loading.cancel()  # the ticket is in the silent connection: cancel now
+                    with pytest.raises(asyncio.CancelledError):
+                        await loading
+        await wait_until(lambda: server.lot.bound_count == 0, what="the Fetch cancelled")
+        assert server.data.accepted == 0 and server.data.reused == 0
+        server.lot.check_invariants()
+
+
+def test_the_client_closes_what_it_keeps_too_long_or_beyond_its_limit() -> None:
+    """The client's pool closes connections idle past its limit at its next use (here the
+    limit is 0: everything kept is expired by then), keeps at most MAX_PER_ADDRESS per address,
+    and hands out the newest first."""
+    pairs = [socket.socketpair() for _ in range(_data_connections.MAX_PER_ADDRESS + 3)]
+    try:
+        mine = [a for a, _ in pairs]
+        expiring = _data_connections.DataConnections(idle_s=0.0)
+        expiring.give("k", mine[0])
+        expiring.give("k", mine[1])
+        assert mine[0].fileno() == -1 and expiring.take("k") is None and mine[1].fileno() == -1
+
+        pool = _data_connections.DataConnections()
+        for sock in mine[2:]:
+            pool.give("k", sock)
+        limit = _data_connections.MAX_PER_ADDRESS
+        assert pool.idle("k") == limit and mine[-1].fileno() == -1  # one too many: closed
+        assert pool.take("k") is mine[-2]
+        pool.close()
+        assert all(sock.fileno() == -1 for sock in mine[2:-2])
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
