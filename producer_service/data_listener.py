@@ -86,6 +86,8 @@ class DataListener:
         # Idle connections, longest idle first: socket -> when it became idle. Only the
         # listener thread touches it.
         self._idle: OrderedDict[socket.socket, float] = OrderedDict()
+        # False while MAX_HANDSHAKES run: the listening socket is out of the selector.
+        self._accepting = True
         self.port = 0
         self.refused = 0  # connections closed without a valid ticket
         self.accepted = 0  # new connections that presented a valid ticket
@@ -183,7 +185,7 @@ class DataListener:
     def _turn(self, selector: selectors.BaseSelector) -> None:
         for key, _ in selector.select(_TICK_S):
             if key.fileobj is self._listener:
-                self._accept()
+                self._accept(selector)
             elif key.fileobj is self._wake_r:
                 self._watch_kept(selector)
             else:
@@ -196,15 +198,29 @@ class DataListener:
                 self._idle_changed()
                 self._next_ticket(conn)
         self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
+        if not self._accepting and self._handshakes.acquire(blocking=False):
+            self._handshakes.release()  # a handshake ended: accept again
+            assert self._listener is not None
+            selector.register(self._listener, selectors.EVENT_READ)
+            self._accepting = True
 
-    def _accept(self) -> None:
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        """Accepts what waits, each with a handshake thread. With MAX_HANDSHAKES running, the
+        listener is left out of the selector (further connections wait in the backlog) until
+        one ends: this thread never blocks, so kept connections keep being served."""
         assert self._listener is not None
         while True:
+            if not self._handshakes.acquire(blocking=False):
+                selector.unregister(self._listener)
+                self._accepting = False
+                return
             try:
                 conn, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                self._handshakes.release()
                 return
             except OSError as exc:  # out of descriptors, a connection reset before accept
+                self._handshakes.release()
                 log.debug("data listener: accept failed: %s", exc)
                 return
             self._start_handshake(conn, peer, kept=False)
@@ -252,7 +268,8 @@ class DataListener:
     def _start_handshake(
         self, conn: socket.socket, peer: Any, *, kept: bool, prefix: bytes = b""
     ) -> None:
-        self._handshakes.acquire()
+        """Runs `_handshake` on a thread of its own, in a slot of `_handshakes` the caller
+        acquired."""
         threading.Thread(
             target=self._handshake,
             args=(conn, peer, kept, prefix),
@@ -283,8 +300,10 @@ class DataListener:
                 self._answer(conn, bytes(ticket), kept=True)
             except (OSError, ssl.SSLError) as exc:
                 self._refuse(conn, peer, exc)
-        else:
+        elif self._handshakes.acquire(blocking=False):
             self._start_handshake(conn, peer, kept=True, prefix=bytes(ticket[: max(got, 0)]))
+        else:  # no handshake thread free: the consumer connects anew within its attempt
+            conn.close()
 
     def _handshake(self, conn: socket.socket, peer: Any, kept: bool, prefix: bytes) -> None:
         try:
@@ -302,6 +321,10 @@ class DataListener:
             self._refuse(conn, peer, exc)
         finally:
             self._handshakes.release()
+            if not self._accepting:
+                with self._lock:
+                    if not self._stopping.is_set():
+                        self._wake()  # the listener thread accepts again
 
     def _answer(self, conn: socket.socket, ticket: bytes, kept: bool) -> None:
         """Hands `conn` to the Fetch waiting for `ticket`, after the ACCEPTED byte; raises

@@ -325,3 +325,35 @@ def test_the_client_closes_what_it_keeps_too_long_or_beyond_its_limit() -> None:
         for a, b in pairs:
             a.close()
             b.close()
+
+
+async def test_kept_connections_are_served_while_every_handshake_slot_is_taken() -> None:
+    """MAX_HANDSHAKES connections that send nothing hold every handshake thread (for 5 s each)
+    and one more waits in the backlog. A consumer's kept connection is still served at once;
+    the waiting connection is refused once a slot frees, not lost."""
+    from kvpark.producer.data_listener import MAX_HANDSHAKES
+
+    async with running_producer(**SETTINGS) as server:
+        expected = await asyncio.to_thread(park_all, server.target, ["h1", "h2"])
+        with KVConsumer(server.target, transport="tcp") as consumer:
+            first, _ = await asyncio.to_thread(load, consumer, "h1")
+            assert first.ok and first.transport == "tcp"
+            await wait_until(lambda: server.data.idle == 1, what="the connection kept")
+            address = ("127.0.0.1", server.data_port)
+            silent = [socket.create_connection(address) for _ in range(MAX_HANDSHAKES + 1)]
+            try:
+                await wait_until(
+                    lambda: not server.data._accepting, what="every handshake slot taken"
+                )
+                second, landed = await asyncio.to_thread(load, consumer, "h2")
+                assert second.ok and second.transport == "tcp" and landed == expected["h2"]
+                assert (server.data.accepted, server.data.reused) == (1, 1)
+                # The handshakes time out; the one in the backlog gets its turn and its own.
+                await wait_until(
+                    lambda: server.data.refused == MAX_HANDSHAKES + 1,
+                    timeout=30,
+                    what="every silent connection refused",
+                )
+            finally:
+                for sock in silent:
+                    sock.close()
