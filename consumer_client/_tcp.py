@@ -129,9 +129,7 @@ class TcpReceiver:
         try:
             sock = socket.create_connection((address.host, address.port), timeout=left())
             self._sock = sock
-            if self._aborted:  # abort() ran while we connected: it could not close this one
-                self.abort()
-                raise Fallback("the load was abandoned", transport="tcp", path_failed=False)
+            self._check_aborted()  # abort() ran while we connected: it could not close this
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if offer.tls and self._tls is not None:
                 sock.settimeout(left())  # the whole handshake, as one call
@@ -165,9 +163,17 @@ class TcpReceiver:
                 f"data connection to {address}: the ticket was not accepted",
                 transport="tcp", path_failed=False,
             )  # fmt: skip
+        self._check_aborted()  # an abort that ran before `self._sock` named the TLS socket
         if self._on_connected is not None:
             self._on_connected()
         return sock
+
+    def _check_aborted(self) -> None:
+        """Fallback (not a path failure) when `abort` ran: it may have run before `_sock`
+        named the socket just made, so this closes it too."""
+        if self._aborted:
+            self.abort()
+            raise Fallback("the load was abandoned", transport="tcp", path_failed=False)
 
     def _ticket_on_kept(self, deadline: float) -> socket.socket | None:
         """A kept connection to this address with the ticket accepted, or None (none kept,
@@ -184,12 +190,12 @@ class TcpReceiver:
             answer = b""
         if answer == ACCEPTED:
             self.reused = True
+            self._check_aborted()
             if self._on_connected is not None:
                 self._on_connected()
             return kept
         kept.close()
-        if self._aborted:
-            raise Fallback("the load was abandoned", transport="tcp", path_failed=False)
+        self._check_aborted()
         return None
 
     def run(self, session: LoadSession) -> Step:

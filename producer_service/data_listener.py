@@ -86,8 +86,10 @@ class DataListener:
         # Idle connections, longest idle first: socket -> when it became idle. Only the
         # listener thread touches it.
         self._idle: OrderedDict[socket.socket, float] = OrderedDict()
-        # False while MAX_HANDSHAKES run: the listening socket is out of the selector.
+        # False while MAX_HANDSHAKES run, or until `_resume_at` after accept failed: the
+        # listening socket is out of the selector.
         self._accepting = True
+        self._resume_at = 0.0
         self.port = 0
         self.refused = 0  # connections closed without a valid ticket
         self.accepted = 0  # new connections that presented a valid ticket
@@ -162,7 +164,8 @@ class DataListener:
 
     def _wake(self) -> None:
         """Wakes the listener thread (under the lock, so the socket pair is still open)."""
-        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+        # Full: a wake-up is pending anyway. Closed: stopped, nothing to wake.
+        with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
     @property
@@ -198,7 +201,8 @@ class DataListener:
                 self._idle_changed()
                 self._next_ticket(conn)
         self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
-        if not self._accepting and self._handshakes.acquire(blocking=False):
+        resume = not self._accepting and time.monotonic() >= self._resume_at
+        if resume and self._handshakes.acquire(blocking=False):
             self._handshakes.release()  # a handshake ended: accept again
             assert self._listener is not None
             selector.register(self._listener, selectors.EVENT_READ)
@@ -221,7 +225,11 @@ class DataListener:
                 return
             except OSError as exc:  # out of descriptors, a connection reset before accept
                 self._handshakes.release()
-                log.debug("data listener: accept failed: %s", exc)
+                log.warning("data listener: accept failed: %s; pausing accepts", exc)
+                # The listener stays readable: accepting again at once would spin this thread.
+                selector.unregister(self._listener)
+                self._accepting = False
+                self._resume_at = time.monotonic() + _TICK_S
                 return
             self._start_handshake(conn, peer, kept=False)
 
@@ -270,12 +278,16 @@ class DataListener:
     ) -> None:
         """Runs `_handshake` on a thread of its own, in a slot of `_handshakes` the caller
         acquired."""
-        threading.Thread(
-            target=self._handshake,
-            args=(conn, peer, kept, prefix),
-            name="kvpark-data-hs",
-            daemon=True,
-        ).start()
+        try:
+            threading.Thread(
+                target=self._handshake,
+                args=(conn, peer, kept, prefix),
+                name="kvpark-data-hs",
+                daemon=True,
+            ).start()
+        except RuntimeError as exc:  # no thread to be had (a tight pids limit): refuse this one
+            self._handshakes.release()
+            self._refuse(conn, peer, exc)
 
     def _next_ticket(self, conn: socket.socket) -> None:
         """A kept connection turned readable. Its ticket is taken right here when it came in
@@ -341,7 +353,10 @@ class DataListener:
         else:
             self.accepted += 1
         self._count("kept" if kept else "new")
-        self._loop.call_soon_threadsafe(_deliver, future, conn)
+        try:
+            self._loop.call_soon_threadsafe(_deliver, future, conn)
+        except RuntimeError:  # the event loop is closed: the producer is going away
+            conn.close()
 
     def _refuse(self, conn: socket.socket, peer: Any, exc: Exception) -> None:
         self.refused += 1
