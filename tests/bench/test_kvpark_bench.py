@@ -87,8 +87,11 @@ def test_quick_run_with_its_own_producer(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == doc
     check_document(doc, [2**20], reps=2, tries=200, transports=["grpc", "tcp", "shm"])
     assert doc["plan"]["quick"] is True and doc["elapsed_s"] < 30
-    for row in doc["transfer"]:  # both processes' CPU is read when the producer is ours
-        assert row["cpu_s_per_gb"]["other"] > 0 and row["cpu_s_per_gb"]["total"] > 0, row
+    # Both processes' CPU is read when the producer is ours. It is counted in clock ticks
+    # (10 ms): the producer's part of a quick 64 MB shm fetch (one ~15 ms copy) can read 0.
+    for row in doc["transfer"]:
+        assert row["cpu_s_per_gb"]["other"] >= 0 and row["cpu_s_per_gb"]["total"] > 0, row
+    assert sum(row["cpu_s_per_gb"]["other"] for row in doc["transfer"]) > 0
     producer = doc["producer"]
     assert producer["own"] is True and producer["version"]
     assert doc["versions"]["crc32c"].startswith("crc32c-rs ")
