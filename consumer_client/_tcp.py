@@ -93,7 +93,6 @@ class TcpReceiver:
         # which key (None: the client keeps no connections).
         self._connections = connections
         self._key: tuple[str, int, bool, str | None] | None = None
-        self.reused = False  # the ticket went over a kept connection
 
     def abort(self) -> None:
         self._aborted = True
@@ -189,7 +188,6 @@ class TcpReceiver:
         except (OSError, ssl.SSLError):  # FrameError too: it died while idle
             answer = b""
         if answer == ACCEPTED:
-            self.reused = True
             self._check_aborted()
             if self._on_connected is not None:
                 self._on_connected()
