@@ -40,7 +40,7 @@ from .transports import DEFAULT_TRANSPORTS, TRANSPORTS
 
 HELP = "measure park and fetch against raw TCP, and late fetches, on our own producer or --target"
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-FULL, QUICK = (580_000_000, 3, 1000), (64_000_000, 2, 200)  # size, reps, latency tries
+FULL, QUICK = (580_000_000, 5, 1000), (64_000_000, 2, 200)  # size, reps, latency tries
 
 
 def parse_size(text: str) -> int:
@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--size", type=parse_size, help="bytes per transfer (default 580MB, --quick 64MB)")
     add("--chunk", type=_sizes, action="extend", metavar="SIZE[,SIZE...]",
         help="chunk size(s) (default 1MiB)")  # fmt: skip
-    add("--reps", type=_count, help="repetitions of each transfer (default 3, --quick 2)")
+    add("--reps", type=_count, help="repetitions of each transfer (default 5, --quick 2)")
     add("--latency-tries", type=_count, metavar="N",
         help="Lookups and late fetches, each (default 1000, --quick 200)")  # fmt: skip
     add("--quick", action="store_true", help="small and fast: a smoke check, not a result")

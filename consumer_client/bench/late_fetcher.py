@@ -7,8 +7,8 @@ process's GIL, not the producer's answer.
     (the fetch token in KVPARK_FETCH_TOKEN; with CA, TLS with that root and client key/cert)
 
 It warms up, prints `ready`, then for each `go` line on stdin fetches the id back to back
-until the `stop` line, and prints the seconds of each try as one JSON list. Every answer must
-be RELEASED; anything else ends it with exit status 1. End of stdin ends it.
+until the `stop` line (at least once), and prints the seconds of each try as one JSON list.
+Every answer must be RELEASED; anything else ends it with exit status 1. End of stdin ends it.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _tries_until_stop(consumer: KVConsumer, kid: str) -> list[float]:
 
     waiter = threading.Thread(target=wait_for_stop)
     waiter.start()
-    tries = []
+    tries = [_late_fetch(consumer, kid)]  # at least one, however soon the stop comes
     while not stop.is_set():
         tries.append(_late_fetch(consumer, kid))
     waiter.join()

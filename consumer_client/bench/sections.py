@@ -202,14 +202,16 @@ def _pieces(source: payload.U8, chunk: int) -> list[memoryview]:
 
 def concurrent(run: Run) -> None:
     """STREAMS loads at once, each of 1/STREAMS of a transfer, into their own slice of one
-    destination, against the single load of the whole transfer measured before: the aggregate
-    seconds. Each repetition runs the loads twice. Once alone: the throughput figure, measured
-    as the single load was, with nothing else running. Once while another process sends late
-    fetches back to back (late_fetcher.py): what a turned-away decode worker waits while the
-    producer is busy; that prober is a closed loop that takes a share of the two cores of its
-    own, so the aggregate measured with it is reported too but is not the throughput figure.
-    The loading threads run at a lower CPU priority (nice +10) than the prober: on this one
-    host they stand for decode workers on other hosts, whose cores the producer does not
+    destination, against one load of the whole transfer: the aggregate seconds. Each
+    repetition runs the one load and then the STREAMS loads back to back, so that their ratio
+    is paired (the machine's speed drifts between sections more than concurrency costs), and
+    the STREAMS loads twice. Once alone: the throughput figure, measured as the one load was,
+    with nothing else running. Once while another process sends late fetches back to back
+    (late_fetcher.py), only while the loads run: what a turned-away decode worker waits while
+    the producer is busy; that prober is a closed loop that takes a share of the two cores of
+    its own, so the aggregate measured with it is reported too but is not the throughput
+    figure. The loading threads run at a lower CPU priority (nice +10) than the prober: on this
+    one host they stand for decode workers on other hosts, whose cores the producer does not
     share, so the late fetch measures the producer's answer rather than a fight for cores."""
     p = run.plan
     chunk = p.chunks[0]
@@ -221,33 +223,35 @@ def concurrent(run: Run) -> None:
     spans = [(i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)]
     for transport in p.transports:
         prober = Prober(run.target, _released(run, transport, "busy-late"), run.prober_args)
+        one = Row("fetch_one", transport, chunk)
         alone = Row("fetch_concurrent", transport, chunk)
         probed = Row("fetch_concurrent_probed", transport, chunk)
         late_row = Row("late_fetch_busy", transport)
-        run.rows += [alone, probed, late_row]
+        run.rows += [one, alone, probed, late_row]
         staged, dest = run.buffers(transport, source, np.empty(p.size, dtype=np.uint8))
         try:
             for rep in range(p.reps):
                 what = f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}"
+                run.progress(f"{what}: one load of them all")
+                _park_and_fetch(run, transport, f"{run.tag}-{transport}-one-{rep}", source,
+                                chunk, dest, fetch_row=one)  # fmt: skip
                 run.progress(what)
                 _concurrent_loads(run, transport, f"c{rep}", spans, staged, dest, alone)
                 run.progress(f"{what}, with late fetches")
-                prober.go()
-                try:
-                    _concurrent_loads(run, transport, f"p{rep}", spans, staged, dest, probed)
-                finally:
-                    for seconds in prober.stop():
-                        late_row.add(seconds, 0.0, None)
+                _concurrent_loads(run, transport, f"p{rep}", spans, staged, dest, probed,
+                                  probe=(prober, late_row))  # fmt: skip
         finally:
             prober.close()
 
 
 def _concurrent_loads(
     run: Run, transport: str, tag: str, spans: list[tuple[int, int]], staged: payload.U8,
-    dest: payload.U8, row: Row,
+    dest: payload.U8, row: Row, probe: tuple[Prober, Row] | None = None,
 ) -> None:  # fmt: skip
     """Parks STREAMS ids (untimed), loads them all at once (timed into `row`), checks every
-    byte and confirms the deliveries."""
+    byte and confirms the deliveries. With a probe, its prober sends late fetches (their
+    seconds into its row) while the loads run, and only then: the parks before them go over
+    the gRPC stream for the tcp row, and a late fetch meanwhile would measure that path."""
     parker, consumer = run.clients[transport]
     chunk = run.plan.chunks[0]
     kids = [f"{run.tag}-{transport}-{tag}-{i}" for i in range(STREAMS)]
@@ -258,7 +262,14 @@ def _concurrent_loads(
         if not parked.ok:
             raise Check(f"park of {kid!r} answered {parked}")
     dest.fill(0)
-    results = run.timed(row, partial(_load_all, run, transport, kids, spans, dest))
+    if probe is not None:
+        probe[0].go()
+    try:
+        results = run.timed(row, partial(_load_all, run, transport, kids, spans, dest))
+    finally:
+        if probe is not None:
+            for seconds in probe[0].stop():
+                probe[1].add(seconds, 0.0, None)
     for kid, result in zip(kids, results, strict=True):
         if not result.ok or result.transport != transport:
             raise Check(f"concurrent load of {kid!r} answered {result}")

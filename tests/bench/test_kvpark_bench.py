@@ -42,15 +42,16 @@ def check_document(
     # raw TCP and each transport's fetch of every repetition, the concurrent loads, and the
     # warm-up's 4 KiB per transport: all compared byte for byte
     verified = size * reps * len(chunks) * (1 + len(transports)) + 4096 * len(transports)
-    # the concurrent loads run twice per repetition: alone, and with late fetches
-    assert doc["verified_bytes"] == verified + 2 * concurrent * size * reps * len(transports)
+    # per repetition, one load of the whole transfer, then the concurrent loads twice: alone,
+    # and with late fetches
+    assert doc["verified_bytes"] == verified + 3 * concurrent * size * reps * len(transports)
     rows = {(r["kind"], r["transport"], r["chunk_bytes"]): r for r in doc["transfer"]}
     expected = {("raw_tcp", None, c) for c in chunks}
     expected |= {("park", t, c) for t in transports if t != "tcp" for c in chunks}
     expected |= {("fetch", t, c) for t in transports for c in chunks}
     expected |= {
         (kind, t, chunks[0])
-        for kind in ("fetch_concurrent", "fetch_concurrent_probed")
+        for kind in ("fetch_one", "fetch_concurrent", "fetch_concurrent_probed")
         for t in transports
         if concurrent
     }

@@ -1,0 +1,46 @@
+"""`kvpark bench`'s figures from known samples: the paired ratios (per repetition, then the
+median) and the target lines. The end-to-end runs (test_kvpark_bench.py) can only check that
+a ratio is positive; here the expected value is computed by hand."""
+
+from __future__ import annotations
+
+from kvpark.client.bench.report import document, table
+from kvpark.client.bench.sections import Row
+
+SIZE = 580_000_000
+META = {"ok": True, "failures": [], "verified_bytes": 0, "elapsed_s": 1.0,
+        "plan": {"size_bytes": SIZE, "chunk_bytes": [2**20], "reps": 3, "latency_tries": 0,
+                 "transports": ["tcp"], "quick": False},
+        "producer": {"own": True, "target": "127.0.0.1:1", "pid": 1, "version": "x"},
+        "versions": {"python": "3", "grpcio": "1", "numpy": "2", "kvpark": "0",
+                     "crc32c": "crc32c-rs"},
+        "cpus": 2}  # fmt: skip
+
+
+def row(kind: str, seconds: list[float], transport: str | None = "tcp") -> Row:
+    r = Row(kind, transport, 2**20)
+    for s in seconds:
+        r.add(s, 0.1, 0.1)
+    return r
+
+
+def test_concurrent_ratio_pairs_each_repetition_with_the_one_load_before_it() -> None:
+    # A slow repetition (the machine's slow moment) slows the one load and the 16 alike:
+    # paired, each repetition says 1.0; medians taken apart would say 0.5 or 2.0.
+    rows = [
+        row("raw_tcp", [0.2, 0.2, 0.2], None),
+        row("fetch_one", [0.2, 0.4, 0.4]),
+        row("fetch_concurrent", [0.2, 0.2, 0.4]),
+    ]
+    doc = document(META, rows, SIZE)
+    concurrent = next(r for r in doc["transfer"] if r["kind"] == "fetch_concurrent")
+    assert concurrent["ratio_to_single"] == 1.0  # per repetition: 1.0, 2.0, 1.0
+    target = next(t for t in doc["targets"] if t["name"] == "16 concurrent tcp fetches")
+    assert target["measured"] == 1.0 and target["met"] is True
+
+
+def test_a_target_just_missed_does_not_print_as_its_goal() -> None:
+    rows = [row("raw_tcp", [1.0, 1.0, 1.0], None), row("fetch", [2.228] * 3)]  # 0.4488x
+    text = table(document(META, rows, SIZE))
+    line = next(x for x in text.splitlines() if x.startswith("fetch over tcp "))
+    assert "0.449" in line and "MISSED" in line, line
