@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc.experimental import ChannelOptions
 
 from ._errors import UsageError
 
@@ -105,7 +106,12 @@ class ChannelSettings:
         return None
 
     def open_sync(self) -> grpc.Channel:
-        options = list(self.options)
+        # A Fetch (server streaming) iterated on the caller's own thread. Without this option
+        # grpc's sync API starts a thread to drive the channel whenever a streaming call begins
+        # with no other one open, i.e. for nearly every load of a worker that loads one id at a
+        # time: a late fetch cost the client 816 us of CPU with that thread, 523 us without,
+        # and on a busy machine `Thread.start` also waits for that thread to be scheduled.
+        options = [*self.options, (ChannelOptions.SingleThreadedUnaryStream, 1)]
         if self.credentials is not None:
             channel = grpc.secure_channel(self.target, self.credentials, options)
         else:
