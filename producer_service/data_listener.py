@@ -173,6 +173,12 @@ class DataListener:
         """Kept connections waiting for a ticket."""
         return len(self._idle)
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new connections are taken now; False while every handshake slot is busy
+        (they wait in the backlog) or for a tick after accept failed."""
+        return self._accepting
+
     # ---------------------------------------------------------------------------- threads
     def _serve(self) -> None:
         assert self._listener is not None

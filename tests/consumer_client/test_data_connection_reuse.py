@@ -343,7 +343,7 @@ async def test_kept_connections_are_served_while_every_handshake_slot_is_taken()
             silent = [socket.create_connection(address) for _ in range(MAX_HANDSHAKES + 1)]
             try:
                 await wait_until(
-                    lambda: not server.data._accepting, what="every handshake slot taken"
+                    lambda: not server.data.accepting, what="every handshake slot taken"
                 )
                 second, landed = await asyncio.to_thread(load, consumer, "h2")
                 assert second.ok and second.transport == "tcp" and landed == expected["h2"]

@@ -1,0 +1,79 @@
+"""The data listener's guards against a host that runs short: a handshake thread that cannot
+be started refuses its connection and gives its slot back (so the listener never runs out of
+slots for good), and stopping twice is harmless. The producer is real, in-process; only the
+start of a handshake thread is made to fail, as a tight pids limit makes it fail."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import MiB, running_producer, wait_until
+
+from kvpark import KVConsumer, KVParker
+from kvpark.address import Address
+from kvpark.producer import data_listener
+from kvpark.producer.data_listener import MAX_HANDSHAKES, DataListener
+
+SETTINGS: dict[str, Any] = {"data_listen": "127.0.0.1:0", "pool_bytes": 16 * MiB}
+
+
+class NoThreadToBeHad(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+async def test_a_handshake_thread_that_cannot_start_refuses_and_frees_its_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with running_producer(**SETTINGS) as server:
+        assert server.data is not None
+        # The listener's own module sees a Thread that cannot start; nothing else does.
+        failing = types.SimpleNamespace(**vars(threading))
+        failing.Thread = NoThreadToBeHad
+        monkeypatch.setattr(data_listener, "threading", failing)
+        address = ("127.0.0.1", server.data_port)
+        # More connections than there are slots: each is refused, none keeps its slot.
+        for n in range(1, MAX_HANDSHAKES + 2):
+            with socket.create_connection(address) as sock:
+                await wait_until(lambda s=sock: closed_by_peer(s), what=f"connection {n} closed")
+            await wait_until(lambda n=n: server.data.refused == n, what=f"{n} refused")
+        assert server.data.accepting
+        monkeypatch.undo()
+        chunk = np.arange(MiB, dtype=np.uint8)
+
+        def park_and_load() -> Any:
+            with KVParker(server.target) as parker, KVConsumer(
+                server.target, transport="tcp"
+            ) as consumer:  # fmt: skip
+                assert parker.park("after", [chunk]).ok
+                return consumer.load("after", num_chunks=1)
+
+        result = await asyncio.to_thread(park_and_load)
+        assert result.ok and result.transport == "tcp", result
+        assert bytes(result.data) == chunk.tobytes()
+        assert server.data.accepted == 1
+
+
+async def test_stopping_twice_is_harmless() -> None:
+    listener = DataListener(Address.parse("127.0.0.1:0"), tls=None, loop=asyncio.get_running_loop())
+    port = listener.start()
+    listener.stop()
+    listener.stop()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
