@@ -430,7 +430,7 @@ class KVProducerServicer:
                 )
         self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
         try:
-            await destination.send(chunks)
+            await destination.send(chunks, last=binding.remaining() == 0)
         except Stalled:
             self._stalled(binding, kid, context)
         if not binding.active and binding.failed is None:  # cut off for stalling

@@ -49,6 +49,8 @@ BATCH_CHUNKS = 1024
 # above the pauses of a consumer that reads (so a transfer rarely leaves its thread), well
 # below anything another transfer would notice waiting for a thread.
 WRITE_PAUSE_S = 0.02
+# Ends a transfer on a kept connection (kvpark.tcp_frames).
+_END_FRAME: tuple[int, int, Sequence[memoryview]] = (END_CHUNK_ID, 0, ())
 
 
 class Stalled(Exception):
@@ -58,7 +60,8 @@ class Stalled(Exception):
 class Destination(Protocol):
     transport: pb.Transport
 
-    async def send(self, chunks: Sequence[ReadyChunk]) -> None: ...
+    async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
+        """Sends a batch; `last`: no chunk of this Fetch follows it."""
 
     async def finish(self) -> None:
         """The Fetch ended (before its TransferDone): close or hand back what it used."""
@@ -77,7 +80,7 @@ class GrpcStream:
         self._stall_s = stall_s
         self._on_stall = on_stall
 
-    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+    async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         loop = asyncio.get_running_loop()
         for step in chunks:
             frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
@@ -128,22 +131,30 @@ class TcpStream:
         self._threads = threads
         self._keep = keep
         self._handed_back = False
+        self._ended = False  # the end frame went out with the last batch
         # A write that did not finish (stall, cancel, error) may have stopped inside a frame:
         # the connection can then never carry an end frame or another transfer.
         self._broken = False
 
-    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
-        await self._write(FrameWriter((c.chunk_id, c.crc32c, c.views) for c in chunks))
+    async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
+        frames = [(c.chunk_id, c.crc32c, c.views) for c in chunks]
+        # The end frame goes out with the last batch, in the same thread job: one hop fewer
+        # per Fetch. It only marks the connection free again; the TransferDone still says how
+        # the Fetch ended.
+        end = last and self._keep is not None
+        await self._write(FrameWriter([*frames, _END_FRAME] if end else frames))
+        self._ended = end
 
     async def finish(self) -> None:
         if self._keep is None or self._broken:
             self.close()
             return
-        try:
-            await self._write(FrameWriter([(END_CHUNK_ID, 0, ())]))
-        except (Stalled, OSError):
-            self.close()  # the consumer sees the connection end, not the end frame
-            return
+        if not self._ended:  # the Fetch ended short of its last chunk (e.g. WAIT_TIMEOUT)
+            try:
+                await self._write(FrameWriter([_END_FRAME]))
+            except (Stalled, OSError):
+                self.close()  # the consumer sees the connection end, not the end frame
+                return
         self._handed_back = True
         self._keep(self._sock)
 
@@ -215,7 +226,7 @@ class ShmStream:
                 return step
         return None
 
-    async def send(self, chunks: Sequence[ReadyChunk]) -> None:
+    async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         start = self._pos
         await self._threads.run(self._copy, chunks, start)
         placed = pb.ChunksPlaced()

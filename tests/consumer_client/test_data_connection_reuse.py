@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import MiB, running_producer, stub_for, wait_until
 
-from kvpark import KVConsumer, KVParker
+from kvpark import KVConsumer, KVParker, Reason
 from kvpark.checksum import crc32c_of
 from kvpark.client import _data_connections
 from kvpark.pb import kvpark_pb2 as pb
@@ -180,6 +180,34 @@ async def test_a_load_that_times_out_keeps_no_connection() -> None:
         assert whole.ok and whole.transport == "tcp"
         assert landed == b"".join(p.tobytes() for p in parts)
         assert (server.data.accepted, server.data.reused) == (2, 0)
+        server.lot.check_invariants()
+
+
+async def test_a_fetch_the_producer_ends_short_keeps_its_connection() -> None:
+    """The producer's wait for the next chunk runs out (WAIT_TIMEOUT after chunk 0): no last
+    batch carried the end frame, so the Fetch's end writes it on its own and the connection
+    is kept; the next load of the whole id takes it."""
+    async with running_producer(**SETTINGS) as server:
+        parts = data_for("short")
+        with KVParker(server.target) as parker:
+            first = await asyncio.to_thread(parker.park, "short", {0: parts[0]}, total_chunks=2)
+            assert first.ok
+        with KVConsumer(server.target, transport="tcp") as consumer:
+
+            def load_waiting() -> Any:
+                into = np.zeros(2 * CHUNK, np.uint8)
+                return consumer.load("short", num_chunks=2, into=into, wait_timeout_s=0.2)
+
+            short = await asyncio.to_thread(load_waiting)
+            assert short.reason is Reason.WAIT_TIMEOUT and short.chunks_loaded == 1, short
+            assert short.transport == "tcp"
+            await wait_until(lambda: server.data.idle == 1, what="the connection kept")
+            with KVParker(server.target) as parker:
+                assert (await asyncio.to_thread(parker.park, "short", {1: parts[1]})).ok
+            whole, landed = await asyncio.to_thread(load, consumer, "short")
+        assert whole.ok and whole.transport == "tcp"
+        assert landed == b"".join(p.tobytes() for p in parts)
+        assert (server.data.accepted, server.data.reused) == (1, 1)
         server.lot.check_invariants()
 
 
