@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
-from kvpark.ids import check_id
+from kvpark.ids import MAX_CHUNKS, check_id
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import FETCH_ROLE
 
@@ -54,7 +54,6 @@ INFO_TIMEOUT_S = 10.0
 # its delivery_grace_s anyway).
 CONFIRM_TIMEOUT_S = 5.0
 CONFIRM_FLUSH_S = 2.0
-_UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
 Policy = Literal["recompute", "fail"]
@@ -507,8 +506,8 @@ def _chunk_ids(chunk_ids: Iterable[int] | None, num_chunks: int | None) -> tuple
     if num_chunks is not None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):
             raise UsageError(f"num_chunks: expected an int, got {num_chunks!r}")
-        if not 1 <= num_chunks <= _UINT32_MAX + 1:
-            raise UsageError(f"num_chunks: expected >= 1, got {num_chunks}")
+        if not 1 <= num_chunks <= MAX_CHUNKS:
+            raise UsageError(f"num_chunks: expected 1..2**32-1, got {num_chunks}")
         return tuple(range(num_chunks))
     if chunk_ids is None:
         return None  # all chunks of the id, as many as the producer has
@@ -518,8 +517,8 @@ def _chunk_ids(chunk_ids: Iterable[int] | None, num_chunks: int | None) -> tuple
     if not ids:
         raise UsageError("chunk_ids: empty (pass None for all chunks)")
     for cid in ids:
-        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid <= _UINT32_MAX:
-            raise UsageError(f"chunk_ids: {cid!r} is not a uint32 chunk id")
+        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < MAX_CHUNKS:
+            raise UsageError(f"chunk_ids: {cid!r} is not a chunk id (0..2**32-2)")
     if len(set(ids)) != len(ids):
         raise UsageError("chunk_ids: repeats a chunk")
     return ids

@@ -23,6 +23,7 @@ import grpc
 
 from kvpark import wire
 from kvpark.checksum import crc32c_of
+from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import byte_view
@@ -31,7 +32,6 @@ from ._result import Reason
 from ._shm import ShmAccess
 from .handle import TRANSPORT_NAMES, KVHandle
 
-_UINT32_MAX = 2**32 - 1
 # POOL_FULL retries back off from this wait, doubling, never beyond the producer's
 # retry_after_s: that is its estimate of when a lease ends, but room also frees sooner (a
 # release, a confirmed delivery, a batch undone), and a short first wait catches that.
@@ -62,8 +62,8 @@ def prepare(chunk_id: object, payload: ChunkPayload) -> PreparedChunk:
     """One chunk's id checked and its memory viewed as bytes, without copying."""
     if isinstance(chunk_id, bool) or not isinstance(chunk_id, int):
         raise UsageError(f"chunk id: expected an int, got {chunk_id!r}")
-    if not 0 <= chunk_id <= _UINT32_MAX:
-        raise UsageError(f"chunk id {chunk_id} is not a uint32")
+    if not 0 <= chunk_id < MAX_CHUNKS:
+        raise UsageError(f"chunk id {chunk_id} is not a chunk id (0..2**32-2)")
     pieces = payload if isinstance(payload, list | tuple) else [payload]
     parts = tuple(byte_view(p, f"chunk {chunk_id}", writable=False).data for p in pieces)
     nbytes = sum(len(p) for p in parts)
@@ -167,7 +167,7 @@ def check_total(total_chunks: int | None) -> int:
         return 0
     if isinstance(total_chunks, bool) or not isinstance(total_chunks, int):
         raise UsageError(f"total_chunks: expected an int or None, got {total_chunks!r}")
-    if not 1 <= total_chunks <= _UINT32_MAX:
+    if not 1 <= total_chunks <= MAX_CHUNKS:
         raise UsageError(f"total_chunks: expected 1..2**32-1, got {total_chunks}")
     return total_chunks
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvpark.checksum import crc32c_of
+from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
 
 from .leases import LeaseQueue
@@ -383,11 +384,9 @@ class Lot:
         if not nbytes:
             self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
             raise MalformedRequest(f"chunk {chunk_id} has no data")
-        if entry.total_chunks and chunk_id >= entry.total_chunks:
+        if chunk_id >= (entry.total_chunks or MAX_CHUNKS):
             self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
-            raise MalformedRequest(
-                f"chunk_id {chunk_id} out of range: total_chunks is {entry.total_chunks}"
-            )
+            raise MalformedRequest(_out_of_range(chunk_id, entry.total_chunks))
         actual = crc32c_of(data)
         if crc32c is not None and actual != crc32c:
             detail = f"chunk {chunk_id}: crc32c {actual:#010x}, the chunk says {crc32c:#010x}"
@@ -424,12 +423,12 @@ class Lot:
         if entry.delivery_id:
             detail = "the id was delivered while this batch was open"
             return self._undo(batch, Refusal(ALREADY_CONSUMED, detail))
-        if nbytes <= 0 or (entry.total_chunks and chunk_id >= entry.total_chunks):
+        if nbytes <= 0:
             self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
-            raise MalformedRequest(
-                f"chunk {chunk_id} of {nbytes} bytes: empty, or out of range "
-                f"(total_chunks {entry.total_chunks})"
-            )
+            raise MalformedRequest(f"chunk {chunk_id} has no data")
+        if chunk_id >= (entry.total_chunks or MAX_CHUNKS):
+            self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
+            raise MalformedRequest(_out_of_range(chunk_id, entry.total_chunks))
         if batch.stored_bytes + nbytes > self.max_batch_bytes:
             return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
         handle = self._allocate(nbytes, batch.reservation)
@@ -682,18 +681,12 @@ class Lot:
         if requested is not None and len(set(requested)) != len(requested):
             raise MalformedRequest("chunk_ids repeats a chunk")
         entry = self._entries.get(kv_request_id)
-        if entry is not None:
-            if entry.binding is not None:
-                return Refusal(ALREADY_BOUND, "another Fetch is attached to this id")
-            if (
-                requested is not None
-                and entry.total_chunks
-                and max(requested) >= entry.total_chunks
-            ):
-                raise MalformedRequest(
-                    f"chunk_id {max(requested)} out of range: total_chunks is {entry.total_chunks}"
-                )
-        else:
+        if entry is not None and entry.binding is not None:
+            return Refusal(ALREADY_BOUND, "another Fetch is attached to this id")
+        total = entry.total_chunks if entry is not None else 0
+        if requested is not None and max(requested) >= (total or MAX_CHUNKS):
+            raise MalformedRequest(_out_of_range(max(requested), total))
+        if entry is None:
             entry = _Entry(kv_request_id, created_at=now)
             self._entries[kv_request_id] = entry
         wait = self.settings.max_fetch_wait_s
@@ -1152,3 +1145,10 @@ class Lot:
         assert len(self._tombstones) <= self.settings.max_tombstones
         assert len(self._intents) <= self.settings.max_tombstones
         assert all(math.isfinite(t.at) for t in self._tombstones.values())
+
+
+def _out_of_range(chunk_id: int, total: int) -> str:
+    """Why `chunk_id` can never be stored or served under an id whose total is `total` (0:
+    none known yet, so only the id space bounds it)."""
+    why = f"total_chunks is {total}" if total else f"chunk ids stop at {MAX_CHUNKS - 1}"
+    return f"chunk_id {chunk_id} out of range: {why}"

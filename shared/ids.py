@@ -1,4 +1,5 @@
-"""Validation of `kv_request_id`, the key both sides and the router share.
+"""Validation of `kv_request_id`, the key both sides and the router share, and the range of
+chunk ids under it.
 
 The rule (docs/protocol.md): a UTF-8 string of 1-256 bytes with no control characters (C0,
 DEL, C1) and no lone surrogates. Checked at every entry point (producer handlers, client
@@ -11,6 +12,10 @@ from __future__ import annotations
 import re
 
 MAX_ID_BYTES = 256
+# An id holds at most MAX_CHUNKS chunks (total_chunks is a uint32), so chunk ids run from 0 to
+# MAX_CHUNKS - 1 = 2**32 - 2: a total fixed as the highest committed id + 1 always fits its
+# field, and 2**32 - 1 stays free for the data connection's end frame (kvpark.tcp_frames).
+MAX_CHUNKS = 2**32 - 1
 # Unicode categories Cc (control characters: C0, DEL, C1) and Cs (lone surrogates, not UTF-8),
 # as one character class: checking 10k ids per KeepAlive must not hold the event loop.
 _FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")

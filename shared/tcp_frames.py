@@ -10,7 +10,7 @@ fall back to the gRPC stream) from a transfer that ended (the call's TransferDon
 
 A consumer that keeps its data connections (FetchRequest.reuse_data_connection) gets an end
 frame instead of the close: chunk id END_CHUNK_ID, crc 0, nbytes 0 (no chunk has that id:
-ids are below the id's chunk count, a u32). The connection is then idle at both ends and
+chunk ids stop one below it, kvpark.ids). The connection is then idle at both ends and
 carries the consumer's next ticket for this producer, which spares a later Fetch the connect,
 the TLS handshake and TCP's window ramp.
 
@@ -29,10 +29,11 @@ import struct
 from collections.abc import Iterable, Sequence
 
 from kvpark.checksum import crc32c_of
+from kvpark.ids import MAX_CHUNKS
 
 TICKET_BYTES = 32
 ACCEPTED = b"\x01"
-END_CHUNK_ID = 0xFFFFFFFF
+END_CHUNK_ID = MAX_CHUNKS  # one past the highest chunk id any id may hold
 _HEADER = struct.Struct("<IIQ")
 HEADER_BYTES = _HEADER.size
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux); a chunk has a few extents.

@@ -438,3 +438,20 @@ def test_public_api_is_curated() -> None:
         obj = getattr(consumer_client, name)
         if isinstance(obj, type) and issubclass(obj, consumer_client.KVParkError):
             assert name in doc, f"{name} missing from the exception tree in the docstring"
+
+
+@pytest.mark.parametrize(
+    ("chunk_ids", "num_chunks", "message"),
+    [
+        ([2**32 - 1], None, "not a chunk id"),  # 2**32 - 1 marks a data connection's end
+        ([-1], None, "not a chunk id"),
+        ([0, 0], None, "repeats"),
+        (None, 2**32, "num_chunks"),
+        (None, 0, "num_chunks"),
+    ],
+)
+def test_chunk_ids_outside_the_id_space_are_misuse(
+    chunk_ids: list[int] | None, num_chunks: int | None, message: str
+) -> None:
+    with KVConsumer("127.0.0.1:1") as consumer, pytest.raises(UsageError, match=message):
+        consumer.load("x", chunk_ids=chunk_ids, num_chunks=num_chunks, timeout=0.01)

@@ -230,6 +230,11 @@ def test_misuse_is_refused_before_anything_is_sent() -> None:
                 parker.park("x", chunks)  # type: ignore[arg-type]
         with pytest.raises(UsageError):
             parker.park("x", [b"a"], total_chunks=0)
+        # Chunk ids stop at 2**32 - 2 (2**32 - 1 marks a data connection's end).
+        with pytest.raises(UsageError, match="not a chunk id"):
+            parker.park("x", {2**32 - 1: b"a"})
+        # 2**32 - 2 passes the checks (and then finds no producer at this address).
+        assert parker.park("x", {2**32 - 2: b"a"}, timeout=0.01).reason is not None
         with pytest.raises(UsageError):
             parker.park("bad\nid", [b"a"])
 

@@ -416,6 +416,15 @@ async def test_epoch_mismatch_answered_at_once() -> None:
             "out of range",
         ),
         (
+            # With no total declared, the highest chunk id is 2**32 - 2: the total its commit
+            # fixes must fit the uint32 field, and 2**32 - 1 marks a data connection's end.
+            [
+                pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
+                pb.ParkRequest(chunk=pb.Chunk(chunk_id=2**32 - 1, data=b"x")),
+            ],
+            "out of range",
+        ),
+        (
             [
                 pb.ParkRequest(header=pb.ParkHeader(kv_request_id="h")),
                 pb.ParkRequest(chunk=pb.Chunk(chunk_id=0, data=b"")),
@@ -448,6 +457,8 @@ async def test_malformed_fetch_keepalive_lookup_release_are_invalid_argument() -
             (stub.Fetch, pb.FetchRequest(kv_request_id=""), "empty"),
             (stub.Fetch, pb.FetchRequest(kv_request_id="m", chunk_ids=[0, 0]), "repeats"),
             (stub.Fetch, pb.FetchRequest(kv_request_id="m", chunk_ids=[1]), "out of range"),
+            # An id nobody parked yet: no total, so only the id space bounds the request.
+            (stub.Fetch, pb.FetchRequest(kv_request_id="n", chunk_ids=[2**32 - 1]), "range"),
             (stub.Fetch, pb.FetchRequest(kv_request_id="m", wait_timeout_s=-1), "wait_timeout_s"),
             (stub.Fetch, pb.FetchRequest(kv_request_id="m", wait_timeout_s=float("nan")), "wait"),
             (stub.KeepAlive, pb.KeepAliveRequest(), "empty"),
@@ -567,4 +578,18 @@ async def test_shutdown_fails_a_bound_fetch_that_outlasts_the_grace() -> None:
         (stuck,) = server.lot.lookup(["stuck"])
         assert (stuck.state, stuck.reason) == (pb.STATE_TOMBSTONED, pb.REASON_SHUTTING_DOWN)
         assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
+
+
+async def test_the_highest_chunk_id_parks_and_its_total_fits() -> None:
+    """Chunk 2**32 - 2 alone, no total declared: the commit fixes the total to 2**32 - 1, the
+    largest a uint32 holds, and every answer carries it."""
+    async with running_producer() as server, stub_for(server) as stub:
+        top = 2**32 - 2
+        answer = await park(stub, "top", {top: b"t"})
+        assert answer.status == pb.STATUS_OK and answer.total_chunks == top + 1, answer
+        assert (await state_of(stub, "top")).total_chunks == top + 1
+        messages = await fetch_all(stub, "top", chunk_ids=[top])
+        assert messages[0].chunk.chunk_id == top and messages[0].chunk.data == b"t"
+        assert messages[-1].done.status == pb.STATUS_OK
         server.lot.check_invariants()
