@@ -42,10 +42,25 @@ class DataThreads:
         self._pool = ThreadPoolExecutor(
             count, thread_name_prefix="kvpark-data", initializer=lower_priority
         )
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted jobs no thread has started yet
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Starts `fn(*args)` on a data thread; `wait` for it."""
-        return self._pool.submit(fn, *args)
+
+        def job() -> T:
+            with self._lock:
+                self._queued -= 1
+            return fn(*args)
+
+        with self._lock:
+            self._queued += 1
+        return self._pool.submit(job)
+
+    def waiting(self) -> int:
+        """Jobs waiting for a thread (any thread): a long job gives way when this is above 0."""
+        with self._lock:
+            return self._queued
 
     async def run(
         self, fn: Callable[..., T], *args: Any, interrupt: Callable[[], None] | None = None

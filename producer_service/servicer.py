@@ -304,7 +304,10 @@ class KVProducerServicer:
                 held.callback(destination.close)
                 batch_bytes = FIRST_BATCH_BYTES
                 while True:
-                    ready = await self._ready(binding, wakeup, batch_bytes)
+                    if destination.whole_batches:
+                        ready = await self._ready(binding, wakeup, math.inf, math.inf)
+                    else:
+                        ready = await self._ready(binding, wakeup, batch_bytes, BATCH_CHUNKS)
                     if isinstance(ready, FetchEnd):
                         # A data connection ends (or is kept) before the TransferDone.
                         await destination.finish()
@@ -380,10 +383,10 @@ class KVProducerServicer:
         return GrpcStream(context, stall_s, on_stall)
 
     async def _ready(
-        self, binding: FetchBinding, wakeup: asyncio.Event, batch_bytes: int
+        self, binding: FetchBinding, wakeup: asyncio.Event, max_bytes: float, max_chunks: float
     ) -> list[ReadyChunk] | FetchEnd:
-        """The next chunks the binding may send (as many as are ready, up to `batch_bytes` and
-        BATCH_CHUNKS), or how it ended; waits, bounded by the binding's stall wait, while
+        """The next chunks the binding may send (as many as are ready, up to `max_bytes` and
+        `max_chunks`), or how it ended; waits, bounded by the binding's stall wait, while
         nothing is ready."""
         clock = self._lot.clock
         while True:
@@ -393,7 +396,7 @@ class KVProducerServicer:
                 batch, size = [step], step.nbytes
                 # Never ask past the last chunk: that answer delivers the id, which must wait
                 # until these chunks are really out.
-                while size < batch_bytes and len(batch) < BATCH_CHUNKS and binding.remaining() != 0:
+                while size < max_bytes and len(batch) < max_chunks and binding.remaining() != 0:
                     more = self._lot.next_for(binding)
                     if not isinstance(more, ReadyChunk):
                         break

@@ -8,10 +8,12 @@ consumer lent (kvpark.producer.shm_lending) on a worker thread, then tells the c
 each chunk landed. Copies and socket writes release the GIL and run on the data threads
 (data_threads.py), so the event loop keeps answering control calls while bytes move.
 
-A batch is what the lot has ready at once, up to BATCH_BYTES and BATCH_CHUNKS: one thread hop
-per batch rather than per chunk. A batch's views stay valid while it is written: the lot frees
-a bound id's memory only when the whole producer shuts down, and no other id's data goes there
-meanwhile.
+A batch is what the lot has ready at once: one thread hop per batch rather than per chunk.
+For gRPC and shm, up to BATCH_BYTES and BATCH_CHUNKS. For TCP, every ready chunk
+(`whole_batches`): its write shares its thread by itself, giving way to other jobs after
+SHARE_BYTES, so a TCP Fetch alone pays one hop rather than one per batch. A batch's views stay
+valid while it is written: the lot frees a bound id's memory only when the whole producer shuts
+down, and no other id's data goes there meanwhile.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ BATCH_GROWTH = 4
 # far below any client's message limit (64 KiB above its max_chunk_bytes) however small the
 # chunks: an id may hold as many chunks as the pool has pages.
 BATCH_CHUNKS = 1024
+# The most a TCP write sends while other jobs wait for a data thread, before it goes back in
+# the queue behind them: a 64 MiB batch's worth, so they wait no longer than they would behind
+# a batch of the other transports. Alone, it sends everything in one job: each hop back to the
+# event loop and to a thread again took ~1 ms in which the socket drained, and a 580 MB fetch
+# in one job ran 0.96x raw TCP where 64 MiB batches ran 0.80x (docs/performance.md).
+SHARE_BYTES = BATCH_BYTES
 # How long a TCP write waits for room on a full socket before it gives its thread back: well
 # above the pauses of a consumer that reads (so a transfer rarely leaves its thread), well
 # below anything another transfer would notice waiting for a thread.
@@ -59,6 +67,8 @@ class Stalled(Exception):
 
 class Destination(Protocol):
     transport: pb.Transport
+    # True: a batch may be every ready chunk (the destination shares its thread by itself).
+    whole_batches: bool
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         """Sends a batch; `last`: no chunk of this Fetch follows it."""
@@ -74,6 +84,7 @@ class GrpcStream:
     """Chunks as messages of the Fetch call itself."""
 
     transport = pb.TRANSPORT_GRPC
+    whole_batches = False
 
     def __init__(self, context: Any, stall_s: float, on_stall: Any) -> None:
         self._context = context
@@ -117,6 +128,7 @@ class TcpStream:
     """
 
     transport = pb.TRANSPORT_TCP
+    whole_batches = True
 
     def __init__(
         self,
@@ -162,7 +174,11 @@ class TcpStream:
         loop = asyncio.get_running_loop()
         progress_at, sent = loop.time(), 0
         self._broken = True  # until every frame of `writer` is out
-        while not await self._threads.run(writer.write, self._sock, interrupt=self._interrupt):
+        while not await self._threads.run(
+            writer.write, self._sock, self._give_way, interrupt=self._interrupt
+        ):
+            if writer.gave_way:
+                continue  # back in the queue, behind the jobs that waited
             if writer.sent_bytes > sent:
                 progress_at, sent = loop.time(), writer.sent_bytes
             # The stall bound counts from the last byte the consumer took, not per attempt.
@@ -191,6 +207,9 @@ class TcpStream:
         finally:
             loop.remove_writer(fd)
 
+    def _give_way(self, sent: int) -> bool:
+        return sent >= SHARE_BYTES and self._threads.waiting() > 0
+
     def _interrupt(self) -> None:
         """The Fetch was cancelled mid-write: a send blocked on a full socket fails at once
         instead of at the end of its pause, and the consumer sees the connection end."""
@@ -207,6 +226,7 @@ class ShmStream:
     ChunksPlaced message per batch on the call, naming where each chunk landed."""
 
     transport = pb.TRANSPORT_SHM
+    whole_batches = False
 
     def __init__(
         self, context: Any, target: memoryview, *, limit: int, threads: DataThreads

@@ -26,7 +26,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpark.checksum import crc32c_of
 from kvpark.ids import MAX_CHUNKS
@@ -55,9 +55,10 @@ def is_end(frame_header: tuple[int, int, int]) -> bool:
 
 class FrameWriter:
     """Writes a sequence of frames to a socket that has a (short) timeout, resumably: `write`
-    sends until every frame is out, or until the socket has had no room for its timeout; then
-    it returns False, and a later `write` goes on exactly where this one stopped. So a writer
-    whose consumer stops reading gives its thread back instead of blocking it.
+    sends until every frame is out, or until the socket has had no room for its timeout, or,
+    between two frames, until `give_way` says so; then it returns False, and a later `write`
+    goes on exactly where this one stopped. So a writer whose consumer stops reading gives its
+    thread back instead of blocking it, and a long write can share its thread.
 
     A timed-out call sent nothing (the socket first waits for room, then sends what fits),
     so the position stays exact. Over TLS, where sendmsg is not available, each view goes
@@ -68,13 +69,20 @@ class FrameWriter:
         self._frames = iter(frames)
         self._buffers: list[memoryview] = []  # what is left of the frame being written
         self.sent_bytes = 0
+        self.gave_way = False  # the last `write` stopped because `give_way` said so
 
-    def write(self, sock: socket.socket) -> bool:
+    def write(self, sock: socket.socket, give_way: Callable[[int], bool] | None = None) -> bool:
         """True once every frame is written; False when the socket had no room for its
-        timeout. Other socket errors (the consumer went away) propagate."""
+        timeout, or when `give_way(bytes this call sent)`, asked before each next frame, was
+        True (`gave_way`). Other socket errors (the consumer went away) propagate."""
         tls = isinstance(sock, ssl.SSLSocket)
+        self.gave_way = False
+        start = self.sent_bytes
         while True:
             if not self._buffers:
+                if give_way is not None and give_way(self.sent_bytes - start):
+                    self.gave_way = True
+                    return False
                 frame = next(self._frames, None)
                 if frame is None:
                     return True

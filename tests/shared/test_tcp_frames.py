@@ -97,3 +97,31 @@ def test_a_write_to_a_reader_that_stops_pauses_and_resumes_where_it_stopped(
     assert not reading.is_alive()
     assert received == [(cid, crc, b"".join(views)) for cid, crc, views in sent]
     assert writer.sent_bytes == CHUNKS * (16 + CHUNK_BYTES)
+
+
+def test_a_write_gives_way_between_frames_and_resumes_where_it_stopped(
+    connection: tuple[socket.socket, socket.socket],
+) -> None:
+    """`give_way` is asked before each frame after the first bytes: once it says so, the
+    call returns at that frame boundary, and the next call sends the rest."""
+    writer_sock, reader_sock = connection
+    writer_sock.settimeout(5)
+    received: list[tuple[int, int, bytes]] = []
+    reading = threading.Thread(target=lambda: received.extend(read_all(reader_sock)))
+    reading.start()
+    sent = frames()
+    writer = FrameWriter(sent)
+    asked: list[int] = []
+
+    def after_two_frames(sent_by_this_call: int) -> bool:
+        asked.append(sent_by_this_call)
+        return sent_by_this_call >= 2 * (16 + CHUNK_BYTES)
+
+    assert writer.write(writer_sock, after_two_frames) is False and writer.gave_way
+    assert writer.sent_bytes == 2 * (16 + CHUNK_BYTES)  # exactly at a frame boundary
+    assert asked == [0, 16 + CHUNK_BYTES, 2 * (16 + CHUNK_BYTES)]
+    assert writer.write(writer_sock) is True and not writer.gave_way
+    writer_sock.close()
+    reading.join(30)
+    assert not reading.is_alive()
+    assert received == [(cid, crc, b"".join(views)) for cid, crc, views in sent]
