@@ -11,6 +11,7 @@ reference) and a late load, with nothing else running.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -221,32 +222,55 @@ def concurrent(run: Run) -> None:
         return
     source = payload.pattern(p.size)
     spans = [(i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)]
-    for transport in p.transports:
-        prober = Prober(run.target, _released(run, transport, "busy-late"), run.prober_args)
-        one = Row("fetch_one", transport, chunk)
-        alone = Row("fetch_concurrent", transport, chunk)
-        probed = Row("fetch_concurrent_probed", transport, chunk)
-        late_row = Row("late_fetch_busy", transport)
-        run.rows += [one, alone, probed, late_row]
-        staged, dest = run.buffers(transport, source, np.empty(p.size, dtype=np.uint8))
-        try:
-            for rep in range(p.reps):
-                what = f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}"
-                run.progress(f"{what}: one load of them all")
-                _park_and_fetch(run, transport, f"{run.tag}-{transport}-one-{rep}", source,
-                                chunk, dest, fetch_row=one)  # fmt: skip
-                run.progress(what)
-                _concurrent_loads(run, transport, f"c{rep}", spans, staged, dest, alone)
-                run.progress(f"{what}, with late fetches")
-                _concurrent_loads(run, transport, f"p{rep}", spans, staged, dest, probed,
-                                  probe=(prober, late_row))  # fmt: skip
-        finally:
-            prober.close()
+    with _loading_threads() as pool:
+        for transport in p.transports:
+            _concurrent_rows(run, transport, pool, source, spans)
+
+
+def _concurrent_rows(
+    run: Run, transport: str, pool: ThreadPoolExecutor, source: payload.U8,
+    spans: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    """One transport's rows of the concurrent section, its loads run by `pool`'s threads."""
+    p, chunk = run.plan, run.plan.chunks[0]
+    prober = Prober(run.target, _released(run, transport, "busy-late"), run.prober_args)
+    one = Row("fetch_one", transport, chunk)
+    alone = Row("fetch_concurrent", transport, chunk)
+    probed = Row("fetch_concurrent_probed", transport, chunk)
+    late_row = Row("late_fetch_busy", transport)
+    run.rows += [one, alone, probed, late_row]
+    staged, dest = run.buffers(transport, source, np.empty(p.size, dtype=np.uint8))
+    try:
+        for rep in range(p.reps):
+            what = f"{STREAMS} concurrent loads, {transport}, repetition {rep + 1}/{p.reps}"
+            run.progress(f"{what}: one load of them all")
+            _park_and_fetch(run, transport, f"{run.tag}-{transport}-one-{rep}", source,
+                            chunk, dest, fetch_row=one)  # fmt: skip
+            run.progress(what)
+            _concurrent_loads(run, transport, pool, f"c{rep}", spans, staged, dest, alone)
+            run.progress(f"{what}, with late fetches")
+            _concurrent_loads(run, transport, pool, f"p{rep}", spans, staged, dest, probed,
+                              probe=(prober, late_row))  # fmt: skip
+    finally:
+        prober.close()
+
+
+def _loading_threads() -> ThreadPoolExecutor:
+    """STREAMS threads at the loaders' priority, all started before anything is timed: a
+    decode worker loads from threads it already has, and starting sixteen threads inside the
+    timed loads (each `start` waits for its thread to run) would count as the loads' cost."""
+    pool = ThreadPoolExecutor(STREAMS, initializer=lower_priority)
+    started = threading.Barrier(STREAMS + 1)
+    for _ in range(STREAMS):
+        pool.submit(started.wait, LATENCY_CALL_S)
+    started.wait(LATENCY_CALL_S)
+    return pool
 
 
 def _concurrent_loads(
-    run: Run, transport: str, tag: str, spans: list[tuple[int, int]], staged: payload.U8,
-    dest: payload.U8, row: Row, probe: tuple[Prober, Row] | None = None,
+    run: Run, transport: str, pool: ThreadPoolExecutor, tag: str,
+    spans: list[tuple[int, int]], staged: payload.U8, dest: payload.U8, row: Row,
+    probe: tuple[Prober, Row] | None = None,
 ) -> None:  # fmt: skip
     """Parks STREAMS ids (untimed), loads them all at once (timed into `row`), checks every
     byte and confirms the deliveries. With a probe, its prober sends late fetches (their
@@ -265,7 +289,7 @@ def _concurrent_loads(
     if probe is not None:
         probe[0].go()
     try:
-        results = run.timed(row, partial(_load_all, run, transport, kids, spans, dest))
+        results = run.timed(row, partial(_load_all, run, transport, pool, kids, spans, dest))
     finally:
         if probe is not None:
             for seconds in probe[0].stop():
@@ -279,8 +303,9 @@ def _concurrent_loads(
 
 
 def _load_all(
-    run: Run, transport: str, kids: list[str], spans: list[tuple[int, int]], dest: payload.U8
-) -> list[Any]:
+    run: Run, transport: str, pool: ThreadPoolExecutor, kids: list[str],
+    spans: list[tuple[int, int]], dest: payload.U8,
+) -> list[Any]:  # fmt: skip
     consumer = run.clients[transport][1]
     timeout = run.plan.call_timeout_s
 
@@ -288,9 +313,8 @@ def _load_all(
         into = dest[span[0] : span[1]]
         return consumer.load(kid, into=into, timeout=timeout, confirm=False)
 
-    with ThreadPoolExecutor(STREAMS, initializer=lower_priority) as pool:
-        loads = [pool.submit(load, kid, span) for kid, span in zip(kids, spans, strict=True)]
-        return [f.result() for f in loads]
+    loads = [pool.submit(load, kid, span) for kid, span in zip(kids, spans, strict=True)]
+    return [f.result() for f in loads]
 
 
 def _released(run: Run, transport: str, name: str) -> str:
