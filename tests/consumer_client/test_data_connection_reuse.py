@@ -51,6 +51,18 @@ def load(consumer: KVConsumer, kid: str) -> tuple[Any, bytes]:
     return result, into.tobytes()
 
 
+async def park_the_rest_and_load(
+    target: str, consumer: KVConsumer, kid: str, parts: list[np.ndarray]
+) -> None:
+    """Parks chunk 1 of an id whose chunk 0 is parked, then loads the whole id over TCP:
+    every byte, in order."""
+    with KVParker(target) as parker:
+        assert (await asyncio.to_thread(parker.park, kid, {1: parts[1]})).ok
+    whole, landed = await asyncio.to_thread(load, consumer, kid)
+    assert whole.ok and whole.transport == "tcp", whole
+    assert landed == b"".join(p.tobytes() for p in parts)
+
+
 def read_transfer(sock: socket.socket) -> tuple[list[tuple[int, bytes]], str]:
     """The frames of one transfer and how it ended: "end" (end frame) or "close"."""
     frames = []
@@ -174,11 +186,7 @@ async def test_a_load_that_times_out_keeps_no_connection() -> None:
             cut, _ = await asyncio.to_thread(load, consumer, "half")
             assert not cut.ok and cut.chunks_loaded == 1, cut
             await wait_until(lambda: server.lot.bound_count == 0, what="the id back to parked")
-            with KVParker(server.target) as parker:
-                assert (await asyncio.to_thread(parker.park, "half", {1: parts[1]})).ok
-            whole, landed = await asyncio.to_thread(load, consumer, "half")
-        assert whole.ok and whole.transport == "tcp"
-        assert landed == b"".join(p.tobytes() for p in parts)
+            await park_the_rest_and_load(server.target, consumer, "half", parts)
         assert (server.data.accepted, server.data.reused) == (2, 0)
         server.lot.check_invariants()
 
@@ -202,11 +210,7 @@ async def test_a_fetch_the_producer_ends_short_keeps_its_connection() -> None:
             assert short.reason is Reason.WAIT_TIMEOUT and short.chunks_loaded == 1, short
             assert short.transport == "tcp"
             await wait_until(lambda: server.data.idle == 1, what="the connection kept")
-            with KVParker(server.target) as parker:
-                assert (await asyncio.to_thread(parker.park, "short", {1: parts[1]})).ok
-            whole, landed = await asyncio.to_thread(load, consumer, "short")
-        assert whole.ok and whole.transport == "tcp"
-        assert landed == b"".join(p.tobytes() for p in parts)
+            await park_the_rest_and_load(server.target, consumer, "short", parts)
         assert (server.data.accepted, server.data.reused) == (1, 1)
         server.lot.check_invariants()
 
