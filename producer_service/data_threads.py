@@ -55,7 +55,12 @@ class DataThreads:
 
         with self._lock:
             self._queued += 1
-        return self._pool.submit(job)
+        try:
+            return self._pool.submit(job)
+        except BaseException:  # closed: the job never runs
+            with self._lock:
+                self._queued -= 1
+            raise
 
     def waiting(self) -> int:
         """Jobs waiting for a thread (any thread): a long job gives way when this is above 0."""

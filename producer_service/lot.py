@@ -727,6 +727,13 @@ class Lot:
         binding.wait_deadline = self.clock() + binding.wait_s
         return ReadyChunk(next_id, stored.crc32c, views, stored.handle.nbytes)
 
+    def sent(self, binding: FetchBinding) -> None:
+        """The chunks handed out went out (a batch written, however long that took): the
+        wait for the next chunk counts from now. A long write is the consumer's progress,
+        not a stall of the parking side."""
+        if binding.active:
+            binding.wait_deadline = self.clock() + binding.wait_s
+
     def fetch_wait_expired(self, binding: FetchBinding) -> FetchEnd:
         """Nothing became available to send for the binding's whole wait."""
         if binding.failed is not None:  # the id ended meanwhile (shutdown): that is the cause

@@ -51,6 +51,7 @@ from .transports import (
     BATCH_CHUNKS,
     BATCH_GROWTH,
     FIRST_BATCH_BYTES,
+    WHOLE_BATCH_CHUNKS,
     Destination,
     GrpcStream,
     ShmStream,
@@ -305,7 +306,7 @@ class KVProducerServicer:
                 batch_bytes = FIRST_BATCH_BYTES
                 while True:
                     if destination.whole_batches:
-                        ready = await self._ready(binding, wakeup, math.inf, math.inf)
+                        ready = await self._ready(binding, wakeup, math.inf, WHOLE_BATCH_CHUNKS)
                     else:
                         ready = await self._ready(binding, wakeup, batch_bytes, BATCH_CHUNKS)
                     if isinstance(ready, FetchEnd):
@@ -434,6 +435,7 @@ class KVProducerServicer:
         self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
         try:
             await destination.send(chunks, last=binding.remaining() == 0)
+            self._lot.sent(binding)
         except Stalled:
             self._stalled(binding, kid, context)
         if not binding.active and binding.failed is None:  # cut off for stalling

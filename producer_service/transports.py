@@ -9,11 +9,11 @@ each chunk landed. Copies and socket writes release the GIL and run on the data 
 (data_threads.py), so the event loop keeps answering control calls while bytes move.
 
 A batch is what the lot has ready at once: one thread hop per batch rather than per chunk.
-For gRPC and shm, up to BATCH_BYTES and BATCH_CHUNKS. For TCP, every ready chunk
-(`whole_batches`): its write shares its thread by itself, giving way to other jobs after
-SHARE_BYTES, so a TCP Fetch alone pays one hop rather than one per batch. A batch's views stay
-valid while it is written: the lot frees a bound id's memory only when the whole producer shuts
-down, and no other id's data goes there meanwhile.
+For gRPC and shm, up to BATCH_BYTES and BATCH_CHUNKS. For TCP, every ready chunk up to
+WHOLE_BATCH_CHUNKS (`whole_batches`): its write shares its thread by itself, giving way to
+other jobs after SHARE_BYTES, so a TCP Fetch alone pays one hop rather than one per batch. A
+batch's views stay valid while it is written: the lot frees a bound id's memory only when the
+whole producer shuts down, and no other id's data goes there meanwhile.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ BATCH_CHUNKS = 1024
 # event loop and to a thread again took ~1 ms in which the socket drained, and a 580 MB fetch
 # in one job ran 0.96x raw TCP where 64 MiB batches ran 0.80x (docs/performance.md).
 SHARE_BYTES = BATCH_BYTES
+# ... and a whole batch still stops at this many chunks: gathering it costs the event loop a
+# lot call per chunk (~10 us), and an id may hold as many chunks as the pool has pages.
+WHOLE_BATCH_CHUNKS = 16 * 1024
 # How long a TCP write waits for room on a full socket before it gives its thread back: well
 # above the pauses of a consumer that reads (so a transfer rarely leaves its thread), well
 # below anything another transfer would notice waiting for a thread.
@@ -177,10 +180,10 @@ class TcpStream:
         while not await self._threads.run(
             writer.write, self._sock, self._give_way, interrupt=self._interrupt
         ):
-            if writer.gave_way:
-                continue  # back in the queue, behind the jobs that waited
             if writer.sent_bytes > sent:
                 progress_at, sent = loop.time(), writer.sent_bytes
+            if writer.gave_way:
+                continue  # back in the queue, behind the jobs that waited
             # The stall bound counts from the last byte the consumer took, not per attempt.
             left_s = progress_at + self._stall_s - loop.time()
             if left_s <= 0 or not await self._writable(loop, left_s):

@@ -73,20 +73,24 @@ class FrameWriter:
 
     def write(self, sock: socket.socket, give_way: Callable[[int], bool] | None = None) -> bool:
         """True once every frame is written; False when the socket had no room for its
-        timeout, or when `give_way(bytes this call sent)`, asked before each next frame, was
-        True (`gave_way`). Other socket errors (the consumer went away) propagate."""
+        timeout, or when `give_way(bytes this call sent)`, asked before each next frame that
+        carries a payload, was True (`gave_way`). Other socket errors (the consumer went away)
+        propagate."""
         tls = isinstance(sock, ssl.SSLSocket)
         self.gave_way = False
         start = self.sent_bytes
         while True:
             if not self._buffers:
-                if give_way is not None and give_way(self.sent_bytes - start):
-                    self.gave_way = True
-                    return False
                 frame = next(self._frames, None)
                 if frame is None:
                     return True
                 self._buffers = _frame_buffers(*frame)
+                # Only before a frame with a payload: giving way for a bare end frame would
+                # make the consumer wait a whole turn of the queue for 16 bytes.
+                payload = len(self._buffers) > 1
+                if payload and give_way is not None and give_way(self.sent_bytes - start):
+                    self.gave_way = True
+                    return False
             try:
                 sent = (
                     sock.send(self._buffers[0]) if tls else sock.sendmsg(self._buffers[:_IOV_MAX])

@@ -1374,6 +1374,17 @@ def test_the_wait_bounds_a_stall_and_moves_on_with_every_chunk_sent(rig: Rig) ->
     assert "chunk 2 not committed within 4s" in end.refusal.detail
 
 
+def test_the_wait_counts_from_the_end_of_a_long_write(rig: Rig) -> None:
+    """A batch handed out takes longer to write than the wait (a whole TCP batch to a slow
+    reader): once it went out, the wait for the next chunk starts again."""
+    rig.parked("l", [0], total=2)
+    binding = rig.bound("l", wait_s=2)
+    assert rig.next(binding) == (0, blob("l", 0))
+    rig.advance(5)  # the write of chunk 0
+    rig.lot.sent(binding)
+    assert rig.next(binding) == FetchWait(deadline=rig.clock.now + 2)
+
+
 def test_wait_expiry_returns_an_id_holding_chunks_to_parked(rig: Rig) -> None:
     rig.parked("part", [0], total=2)
     rig.advance(5)

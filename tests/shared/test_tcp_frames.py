@@ -125,3 +125,21 @@ def test_a_write_gives_way_between_frames_and_resumes_where_it_stopped(
     reading.join(30)
     assert not reading.is_alive()
     assert received == [(cid, crc, b"".join(views)) for cid, crc, views in sent]
+
+
+def test_a_write_does_not_give_way_for_a_bare_end_frame(
+    connection: tuple[socket.socket, socket.socket],
+) -> None:
+    """After the last chunk only the end frame (no payload) is left: it goes out in the same
+    call, or the consumer would wait a whole turn of the queue for 16 bytes."""
+    writer_sock, reader_sock = connection
+    writer_sock.settimeout(5)
+    received: list[tuple[int, int, bytes]] = []
+    reading = threading.Thread(target=lambda: received.extend(read_all(reader_sock)))
+    reading.start()
+    writer = FrameWriter([frames()[0], (0xFFFFFFFF, 0, [])])
+    assert writer.write(writer_sock, lambda sent_by_this_call: sent_by_this_call > 0) is True
+    assert not writer.gave_way and writer.sent_bytes == 2 * 16 + CHUNK_BYTES
+    writer_sock.close()
+    reading.join(30)
+    assert [cid for cid, _, _ in received] == [0, 0xFFFFFFFF]
