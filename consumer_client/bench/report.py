@@ -104,9 +104,7 @@ def table(doc: dict[str, Any]) -> str:
     lines += [*_columns(cells), ""] if doc["latency"] else []
     cells = [["target", "measured", "goal", "", "unit"]]
     for t in doc["targets"]:
-        # Three significant digits: at two decimals 0.449 against a goal of 0.45 would print
-        # "0.45 >= 0.45 MISSED".
-        measured = "-" if t["measured"] is None else f"{t['measured']:.3g}"
+        measured = "-" if t["measured"] is None else _significant(t["measured"])
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         cells.append([t["name"], measured, f"{'>=' if t['at_least'] else '<='} {t['goal']:g}",
                       verdict, t["unit"]])  # fmt: skip
@@ -116,6 +114,12 @@ def table(doc: dict[str, Any]) -> str:
                      f"after raw TCP and fetch) in {doc['elapsed_s']:.1f} s")  # fmt: skip
     lines += [f"FAILED: {failure}" for failure in doc["failures"]]
     return "\n".join(lines)
+
+
+def _significant(value: float) -> str:
+    """Three significant digits (at two decimals 0.449 against a goal of 0.45 would print
+    "0.45 >= 0.45 MISSED"), whole numbers from 1000 on (not 1.23e+03)."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
 def _columns(rows: list[list[str]]) -> list[str]:

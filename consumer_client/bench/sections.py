@@ -261,9 +261,14 @@ def _loading_threads() -> ThreadPoolExecutor:
     timed loads (each `start` waits for its thread to run) would count as the loads' cost."""
     pool = ThreadPoolExecutor(STREAMS, initializer=lower_priority)
     started = threading.Barrier(STREAMS + 1)
-    for _ in range(STREAMS):
-        pool.submit(started.wait, LATENCY_CALL_S)
-    started.wait(LATENCY_CALL_S)
+    try:
+        for _ in range(STREAMS):
+            pool.submit(started.wait, LATENCY_CALL_S)
+        started.wait(LATENCY_CALL_S)
+    except BaseException:
+        started.abort()  # the threads that wait give up at once
+        pool.shutdown()
+        raise
     return pool
 
 
