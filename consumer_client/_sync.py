@@ -3,10 +3,11 @@
 Thread-safe: one client (one channel) serves every thread of a decode worker; loads run
 concurrently as independent streams, and no call waits for another (the lock below only guards
 opening the channel, never a call). All decisions are in `_core` and `_session`; this module
-only waits: it iterates the Fetch stream, arms a `threading.Timer` as the first-chunk watchdog
-(the total timeout is the call's gRPC deadline), and cancels the call when the session gives up
-on it. Background work runs on daemon threads: one ServerInfo read after first use, and the
-confirmations of deliveries (one worker thread, so a load returns as soon as it is verified).
+only waits: it iterates the Fetch stream on the caller's thread, arms the first-chunk watchdog
+(`_alarms.py`; the total timeout is the call's gRPC deadline), and cancels the call when the
+session gives up on it. Background work runs on daemon threads: one ServerInfo read after first
+use, the first-chunk watchdogs (one thread), and the confirmations of deliveries (one worker
+thread, so a load returns as soon as it is verified).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy.typing as npt
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 
+from ._alarms import Alarms
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
     CONFIRM_FLUSH_S,
@@ -56,28 +58,6 @@ from .keepalive import KeepAlive
 from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
-
-
-class _Watchdog:
-    """Cancels the call if no message arrived within `delay_s` (the first-chunk timeout)."""
-
-    def __init__(self, delay_s: float | None, cancel: Callable[[], Any]) -> None:
-        self.fired = False
-        self._cancel = cancel
-        self._timer: threading.Timer | None = None
-        if delay_s is not None:
-            self._timer = threading.Timer(delay_s, self._fire)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        self._cancel()
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 def _read_what_is_left(call: Any) -> None:
@@ -142,6 +122,7 @@ class KVConsumer(ClientBase):
         self._stub: Any = None
         self._fetch: Any = None
         self._confirmer: ThreadPoolExecutor | None = None
+        self._first_chunk_alarms = Alarms()
         self._pending: set[futures.Future[None]] = set()
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -161,6 +142,7 @@ class KVConsumer(ClientBase):
             confirmer.shutdown(wait=False, cancel_futures=True)
         self._core.shm.close()
         self._core.data_connections.close()
+        self._first_chunk_alarms.close()
         if channel is not None:
             channel.close()
 
@@ -353,13 +335,14 @@ class KVConsumer(ClientBase):
             timeout=session.remaining_s(),
             metadata=self._core.channel.metadata,
         )
-        watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
+        alarms = self._first_chunk_alarms
+        watchdog = alarms.arm(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
         finished = False  # ... and the producer ended it: no copy of it is still running
         try:
             step = Step.CONTINUE
             for raw in call:
-                watchdog.disarm()
+                alarms.disarm(watchdog)
                 step = session.feed(raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
                     assert session.offer is not None
@@ -390,7 +373,7 @@ class KVConsumer(ClientBase):
                 ) from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
         finally:
-            watchdog.disarm()
+            alarms.disarm(watchdog)
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
             _read_what_is_left(call)

@@ -14,12 +14,18 @@ import numpy as np
 import pytest
 from conftest import ProducerProcess
 
-from kvpark.client import KVConsumer, KVParker, Reason
+from kvpark.client import KVConsumer, KVParker, Reason, Timeout
 
 
+@pytest.mark.parametrize(
+    "timeout", [10.0, Timeout(total_s=10, first_chunk_s=5)], ids=["total", "first-chunk-too"]
+)
 def test_loads_in_a_row_start_no_thread(
-    producer_process: Callable[..., ProducerProcess], monkeypatch: pytest.MonkeyPatch
+    producer_process: Callable[..., ProducerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    timeout: float | Timeout,
 ) -> None:
+    """With a first-chunk timeout too, whose watchdogs share one thread per client."""
     producer = producer_process()
     chunk = np.arange(4096, dtype=np.uint8)
     with KVParker(producer.target, transport="grpc") as parker, KVConsumer(
@@ -28,8 +34,9 @@ def test_loads_in_a_row_start_no_thread(
         for kid in ("warm-up", "a", "b", "late"):
             assert parker.park(kid, [chunk], timeout=10).ok
         assert parker.release("late", timeout=10).ok
-        # The first load reads ServerInfo in the background: a thread, once per client.
-        assert consumer.load("warm-up", num_chunks=1, timeout=10).ok
+        # The first load reads ServerInfo in the background and starts the first-chunk
+        # watchdogs' thread: threads once per client.
+        assert consumer.load("warm-up", num_chunks=1, timeout=timeout).ok
         consumer.server_info(timeout=10)
         started: list[str] = []
         real_start = threading.Thread.start
@@ -39,8 +46,8 @@ def test_loads_in_a_row_start_no_thread(
             real_start(thread)
 
         monkeypatch.setattr(threading.Thread, "start", counted)
-        loaded = [consumer.load(kid, num_chunks=1, timeout=10) for kid in ("a", "b")]
-        late = consumer.load("late", num_chunks=1, timeout=10)
+        loaded = [consumer.load(kid, num_chunks=1, timeout=timeout) for kid in ("a", "b")]
+        late = consumer.load("late", num_chunks=1, timeout=timeout)
         monkeypatch.undo()
         assert [r.ok for r in loaded] == [True, True] and late.reason is Reason.RELEASED, late
         assert all(bytes(r.data) == chunk.tobytes() for r in loaded)
