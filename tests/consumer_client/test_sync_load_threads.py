@@ -13,23 +13,29 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import ProducerProcess
+from grpc.experimental import ChannelOptions
 
 from kvpark.client import KVConsumer, KVParker, Reason, Timeout
 
 
 @pytest.mark.parametrize(
-    "timeout", [10.0, Timeout(total_s=10, first_chunk_s=5)], ids=["total", "first-chunk-too"]
+    ("timeout", "own_thread"),
+    [(10.0, True), (Timeout(total_s=10, first_chunk_s=5), True), (10.0, False)],
+    ids=["total", "first-chunk-too", "opted-out"],
 )
 def test_loads_in_a_row_start_no_thread(
     producer_process: Callable[..., ProducerProcess],
     monkeypatch: pytest.MonkeyPatch,
     timeout: float | Timeout,
+    own_thread: bool,
 ) -> None:
-    """With a first-chunk timeout too, whose watchdogs share one thread per client."""
+    """With a first-chunk timeout too, whose watchdogs share one thread per client. A caller
+    that sets the channel option to 0 gets grpc's thread per load back."""
     producer = producer_process()
     chunk = np.arange(4096, dtype=np.uint8)
+    options = [] if own_thread else [(ChannelOptions.SingleThreadedUnaryStream, 0)]
     with KVParker(producer.target, transport="grpc") as parker, KVConsumer(
-        producer.target, transport="grpc", confirm=False
+        producer.target, transport="grpc", confirm=False, channel_options=options
     ) as consumer:  # fmt: skip
         for kid in ("warm-up", "a", "b", "late"):
             assert parker.park(kid, [chunk], timeout=10).ok
@@ -51,7 +57,7 @@ def test_loads_in_a_row_start_no_thread(
         monkeypatch.undo()
         assert [r.ok for r in loaded] == [True, True] and late.reason is Reason.RELEASED, late
         assert all(bytes(r.data) == chunk.tobytes() for r in loaded)
-        assert started == [], started
+        assert (started == []) is own_thread, started
 
 
 def test_loads_cut_off_mid_stream_leave_nothing_of_their_calls_behind(
