@@ -15,10 +15,14 @@ connections cost a file descriptor and socket buffers, no thread: at most MAX_ID
 clients keep theirs, so a consumer normally closes first and never sends a ticket into a
 connection that is being closed.
 
-One thread watches the listening socket and the idle connections (a selector); each
-handshake (TLS, then the ticket) runs on a short-lived thread, bounded in number, so a slow or
-hostile peer never holds up the event loop or the next consumer. The Fetch writes to the
-socket it is handed from worker threads (producer_service/transports.py).
+One thread watches the listening socket (a selector); each new connection's handshake (TLS,
+then the ticket) runs on a short-lived thread, bounded in number, so a slow or hostile peer
+never holds up the event loop or the next consumer. The event loop itself watches the idle
+connections: a kept connection's ticket is one 32-byte read that never waits (a ticket that
+did not come in whole goes to a handshake thread), and taking it where the Fetch waits spares
+each reused transfer two hand-overs between threads, each a wake-up and a turn at the GIL on
+a busy producer (docs/performance.md). The Fetch writes to the socket it is handed from worker
+threads (producer_service/transports.py).
 """
 
 from __future__ import annotations
@@ -77,15 +81,14 @@ class DataListener:
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._stopping = threading.Event()
-        # Connections handed back by `keep`, for the listener thread to watch; the socket pair
-        # wakes that thread up for them.
-        self._kept: list[socket.socket] = []
+        # Wakes the listener thread (to accept again, or to stop).
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        # Idle connections, longest idle first: socket -> when it became idle. Only the
-        # listener thread touches it.
+        # Idle connections, longest idle first: socket -> when it became idle. Only the event
+        # loop touches it; `_sweep` closes the ones idle too long while there are any.
         self._idle: OrderedDict[socket.socket, float] = OrderedDict()
+        self._sweep_timer: asyncio.TimerHandle | None = None
         # False while MAX_HANDSHAKES run, or until `_resume_at` after accept failed: the
         # listening socket is out of the selector.
         self._accepting = True
@@ -113,6 +116,7 @@ class DataListener:
         return self.port
 
     def stop(self) -> None:
+        """Stops taking connections and closes the idle ones (on the event loop's thread)."""
         with self._lock:
             self._stopping.set()
             self._wake()
@@ -120,16 +124,9 @@ class DataListener:
             self._thread.join(5)
         if self._listener is not None:
             self._listener.close()
-        with self._lock:
-            kept, self._kept = self._kept, []
-        # The idle connections are the listener thread's; it has ended unless the join timed
-        # out, and then the process is going away anyway.
-        idle = [] if self._thread is not None and self._thread.is_alive() else list(self._idle)
-        for conn in [*kept, *idle]:
-            conn.close()
-        if idle:
-            self._idle.clear()
-            self._idle_changed()
+        self._close_idle(float("inf"))
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
         with self._lock:
             self._wake_r.close()
             self._wake_w.close()
@@ -154,13 +151,33 @@ class DataListener:
 
     def keep(self, conn: socket.socket) -> None:
         """A Fetch ended with the end frame on `conn`: wait on it for the consumer's next
-        ticket (any thread)."""
-        with self._lock:
-            if self._stopping.is_set():
-                conn.close()
-                return
-            self._kept.append(conn)
-            self._wake()
+        ticket (on the event loop's thread)."""
+        if self._stopping.is_set():
+            conn.close()
+            return
+        if isinstance(conn, ssl.SSLSocket) and conn.pending():
+            # TLS already holds the next ticket's bytes: the socket would never turn readable.
+            self._next_ticket(conn)
+            return
+        try:
+            self._loop.add_reader(conn, self._next_ticket, conn)
+        except (OSError, ValueError) as exc:  # closed meanwhile
+            log.debug("kept data connection ended: %s", exc)
+            conn.close()
+            return
+        self._idle[conn] = time.monotonic()
+        self._close_idle(float("-inf"), keep_at_most=MAX_IDLE)  # the longest idle go first
+        self._idle_changed()
+        if self._sweep_timer is None:
+            self._sweep_timer = self._loop.call_later(_TICK_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Closes the connections idle longer than `idle_timeout_s`, every _TICK_S while any
+        are idle."""
+        self._sweep_timer = None
+        self._close_idle(time.monotonic() - self.idle_timeout_s)
+        if self._idle and not self._stopping.is_set():
+            self._sweep_timer = self._loop.call_later(_TICK_S, self._sweep)
 
     def _wake(self) -> None:
         """Wakes the listener thread (under the lock, so the socket pair is still open)."""
@@ -195,18 +212,10 @@ class DataListener:
         for key, _ in selector.select(_TICK_S):
             if key.fileobj is self._listener:
                 self._accept(selector)
-            elif key.fileobj is self._wake_r:
-                self._watch_kept(selector)
-            else:
-                conn = key.fileobj
-                assert isinstance(conn, socket.socket)
-                if conn not in self._idle:  # closed for the limit in this same turn
-                    continue
-                selector.unregister(conn)
-                del self._idle[conn]
-                self._idle_changed()
-                self._next_ticket(conn)
-        self._close_idle(selector, time.monotonic() - self.idle_timeout_s)
+            else:  # woken up: to stop, or a handshake slot freed
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake_r.recv(4096):
+                        pass
         resume = not self._accepting and time.monotonic() >= self._resume_at
         if resume and self._handshakes.acquire(blocking=False):
             self._handshakes.release()  # a handshake ended: accept again
@@ -239,37 +248,22 @@ class DataListener:
                 return
             self._start_handshake(conn, peer, kept=False)
 
-    def _watch_kept(self, selector: selectors.BaseSelector) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while self._wake_r.recv(4096):
-                pass
-        with self._lock:
-            kept, self._kept = self._kept, []
-        now = time.monotonic()
-        for conn in kept:
-            if isinstance(conn, ssl.SSLSocket) and conn.pending():
-                # TLS already holds the next ticket's bytes: the selector would never fire.
-                self._next_ticket(conn)
-                continue
-            selector.register(conn, selectors.EVENT_READ)
-            self._idle[conn] = now
-        # Over the limit: the longest idle go first.
-        self._close_idle(selector, float("-inf"), keep_at_most=MAX_IDLE)
-        self._idle_changed()
-
-    def _close_idle(
-        self, selector: selectors.BaseSelector, before: float, keep_at_most: int = MAX_IDLE
-    ) -> None:
+    def _close_idle(self, before: float, keep_at_most: int = MAX_IDLE) -> None:
         """Closes the connections idle since `before`, and the longest idle beyond
-        `keep_at_most`."""
+        `keep_at_most` (event loop)."""
         while self._idle:
             conn, since = next(iter(self._idle.items()))
             if since >= before and len(self._idle) <= keep_at_most:
                 return
-            selector.unregister(conn)
-            del self._idle[conn]
+            self._unwatch(conn)
             conn.close()
-            self._idle_changed()
+
+    def _unwatch(self, conn: socket.socket) -> None:
+        """Takes an idle connection out of the event loop's watch."""
+        del self._idle[conn]
+        with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed fd or loop
+            self._loop.remove_reader(conn)
+        self._idle_changed()
 
     def _idle_changed(self) -> None:
         if self._metrics is not None:
@@ -296,10 +290,13 @@ class DataListener:
             self._refuse(conn, peer, exc)
 
     def _next_ticket(self, conn: socket.socket) -> None:
-        """A kept connection turned readable. Its ticket is taken right here when it came in
-        whole (the usual case: 32 bytes, one segment), else on a handshake thread. Here it
-        costs ~0.1 ms; starting a thread costs 0.5-3 ms on a busy producer (the new thread
-        must get the GIL before `start` returns), more than the rest of the exchange."""
+        """A kept connection turned readable (event loop). Its ticket is taken right here
+        when it came in whole (the usual case: 32 bytes, one segment), else on a handshake
+        thread: a read here never waits. Starting a thread costs 0.5-3 ms on a busy producer
+        (the new thread must get the GIL before `start` returns), more than the rest of the
+        exchange."""
+        if conn in self._idle:
+            self._unwatch(conn)
         peer = "a kept connection"
         ticket = bytearray(TICKET_BYTES)
         try:
@@ -315,9 +312,11 @@ class DataListener:
             conn.close()
         elif got == TICKET_BYTES:
             try:
-                self._answer(conn, bytes(ticket), kept=True)
+                future = self._answer(conn, bytes(ticket), kept=True)
             except (OSError, ssl.SSLError) as exc:
                 self._refuse(conn, peer, exc)
+            else:
+                _deliver(future, conn)
         elif self._handshakes.acquire(blocking=False):
             self._start_handshake(conn, peer, kept=True, prefix=bytes(ticket[: max(got, 0)]))
         else:  # no handshake thread free: the consumer connects anew within its attempt
@@ -334,9 +333,14 @@ class DataListener:
             view = memoryview(ticket)
             view[: len(prefix)] = prefix
             recv_exactly(conn, view[len(prefix) :])
-            self._answer(conn, bytes(ticket), kept)
+            future = self._answer(conn, bytes(ticket), kept)
         except (OSError, ssl.SSLError, ValueError) as exc:
             self._refuse(conn, peer, exc)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(_deliver, future, conn)
+            except RuntimeError:  # the event loop is closed: the producer is going away
+                conn.close()
         finally:
             self._handshakes.release()
             if not self._accepting:
@@ -344,25 +348,27 @@ class DataListener:
                     if not self._stopping.is_set():
                         self._wake()  # the listener thread accepts again
 
-    def _answer(self, conn: socket.socket, ticket: bytes, kept: bool) -> None:
-        """Hands `conn` to the Fetch waiting for `ticket`, after the ACCEPTED byte; raises
+    def _answer(
+        self, conn: socket.socket, ticket: bytes, kept: bool
+    ) -> asyncio.Future[socket.socket]:
+        """Sends the ACCEPTED byte and returns the future of the Fetch waiting for `ticket`,
+        for the caller to `_deliver` `conn` to on the event loop; raises
         ConnectionRefusedError when no Fetch waits for it."""
         with self._lock:
             future = self._waiting.pop(ticket, None)
         if future is None:
             raise ConnectionRefusedError("no Fetch waits for this ticket")
-        conn.settimeout(self._timeout)  # one byte into an idle socket: never waits in practice
-        conn.sendall(ACCEPTED)
-        conn.settimeout(None)
+        # One byte into a socket whose consumer has read all we sent: it never waits, so the
+        # event loop sends it without blocking, and fails the connection if it ever had to.
+        if conn.send(ACCEPTED) != len(ACCEPTED):
+            raise ConnectionError("no room for the ACCEPTED byte")
+        conn.setblocking(True)
         if kept:
             self.reused += 1
         else:
             self.accepted += 1
         self._count("kept" if kept else "new")
-        try:
-            self._loop.call_soon_threadsafe(_deliver, future, conn)
-        except RuntimeError:  # the event loop is closed: the producer is going away
-            conn.close()
+        return future
 
     def _refuse(self, conn: socket.socket, peer: Any, exc: Exception) -> None:
         self.refused += 1

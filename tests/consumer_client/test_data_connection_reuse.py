@@ -24,6 +24,7 @@ from kvpark import KVConsumer, KVParker, Reason
 from kvpark.checksum import crc32c_of
 from kvpark.client import _data_connections
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.producer import data_listener
 from kvpark.tcp_frames import ACCEPTED, END_CHUNK_ID, recv_exactly, recv_header, recv_payload
 
 CHUNK = MiB
@@ -132,7 +133,7 @@ async def test_loads_in_a_row_share_one_data_connection_until_the_client_closes(
             result, landed = await asyncio.to_thread(load, consumer, kid)
             assert result.ok and result.transport == "tcp" and landed == expected[kid], result
         assert (server.data.accepted, server.data.reused) == (1, 2)
-        # The producer's listener thread takes a handed-back connection in its next turn.
+        # The producer's event loop watches a handed-back connection (before the TransferDone).
         await wait_until(lambda: server.data.idle == 1, what="the connection kept")
 
         def sample(name: str, **labels: str) -> float | None:
@@ -236,6 +237,33 @@ async def test_a_kept_connection_the_producer_dropped_is_replaced_within_the_loa
             second, landed = await asyncio.to_thread(load, consumer, "d2")
         assert second.ok and second.transport == "tcp" and landed == expected["d2"], second
         assert (server.data.accepted, server.data.reused) == (2, 0)
+        server.lot.check_invariants()
+
+
+async def test_beyond_its_idle_limit_the_producer_closes_the_longest_idle_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two consumers each keep a connection; the producer keeps at most one idle: the first
+    one's goes, so its next load connects anew while the second's reuses its own."""
+    monkeypatch.setattr(data_listener, "MAX_IDLE", 1)
+    async with running_producer(**SETTINGS) as server:
+        ids = ["m1", "m2", "m3", "m4"]
+        expected = await asyncio.to_thread(park_all, server.target, ids)
+        with (
+            KVConsumer(server.target, transport="tcp") as first,
+            KVConsumer(server.target, transport="tcp") as second,
+        ):
+            for consumer, kid in ((first, "m1"), (second, "m2")):
+                result, _ = await asyncio.to_thread(load, consumer, kid)
+                assert result.ok and result.transport == "tcp", result
+            await wait_until(lambda: server.data.idle == 1, what="one connection kept")
+            assert (server.data.accepted, server.data.reused) == (2, 0)
+            # The second first (its connection is the one kept): the first's new connection
+            # then pushes it out in turn.
+            for consumer, kid, counts in ((second, "m3", (2, 1)), (first, "m4", (3, 1))):
+                result, landed = await asyncio.to_thread(load, consumer, kid)
+                assert result.ok and result.transport == "tcp" and landed == expected[kid]
+                assert (server.data.accepted, server.data.reused) == counts
         server.lot.check_invariants()
 
 
