@@ -121,7 +121,9 @@ class LoadSession:
         ).SerializeToString()
         # The DataOffer of a TRANSPORT_TCP answer, once it came (Step.OFFER).
         self.offer: pb.DataOffer | None = None
-        self.transport = pb.TRANSPORT_GRPC
+        # The transport asked for, until the answer says otherwise: a load cut off before
+        # its first byte names the path it was waiting on.
+        self.transport = pb.TRANSPORT_SHM if shm else pb.TRANSPORT_GRPC
         self.chunks_loaded = 0
         self._sizes: list[int] = []
         # The decided outcome: (reason or None for ok, detail, grpc code). None = undecided.

@@ -193,6 +193,29 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
         server.lot.check_invariants()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_load_cut_off_before_its_first_byte_names_the_transport_it_waited_on(
+    transport: str, shm_socket: str
+) -> None:
+    """The first chunk is not parked yet when the client's timeout fires: no byte moved, and
+    the result still says which path the load was on (metrics count failures per transport)."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+
+        def run() -> Any:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                assert parker.park("late-first", {1: chunks(2)[1]}, total_chunks=2).ok
+                return c.load("late-first", num_chunks=2, into=destination(c, transport, 2),
+                              timeout=0.5)  # fmt: skip
+
+        cut = await in_thread(run)
+        assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 0, cut
+        assert cut.transport == transport, cut
+        server.lot.check_invariants()
+
+
 async def test_an_async_shm_load_cut_off_returns_once_no_copy_can_land(shm_socket: str) -> None:
     """The async client settles a cut-off shm load as the blocking one does: by the time the
     load returns, no producer call holds the lent buffer."""
