@@ -43,9 +43,10 @@ CONNECT_TIMEOUT_S = 1.0
 # How long a client leaves TCP out of its Fetches after a data connection failed for a reason
 # that will not go away by itself (refused, unreachable, dropped, a TLS mismatch).
 RETRY_AFTER_S = 10.0
-# The share of that attempt a kept connection gets to have its ticket accepted (it answers in
-# well under a millisecond when alive); the rest is for a new connection when it does not: one
-# that died without a word (the producer's host gone, a NAT that forgot it) costs only this.
+# The share of that attempt a kept connection gets to have its ticket accepted (the producer's
+# event loop answers it in its next turn: well under a millisecond when alive, unless that
+# loop stalls); the rest is for a new connection when it does not: one that died without a
+# word (the producer's host gone, a NAT that forgot it) costs only this.
 KEPT_SHARE = 0.5
 
 

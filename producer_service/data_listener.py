@@ -53,7 +53,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # Kept connections waiting for their consumer's next ticket.
 MAX_IDLE = 1024
 IDLE_TIMEOUT_S = 60.0
-# How often the listener thread looks at `stop` and at idle connections that timed out.
+# How often the listener thread looks at `stop`, and the event loop at idle connections that
+# timed out (while there are any).
 _TICK_S = 0.25
 
 
@@ -72,7 +73,7 @@ class DataListener:
         self._tls = tls
         self._loop = loop
         self._timeout = handshake_timeout_s
-        self.idle_timeout_s = IDLE_TIMEOUT_S  # read on every tick of the listener thread
+        self.idle_timeout_s = IDLE_TIMEOUT_S  # read on every `_sweep`
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         # ticket -> the Fetch's future for its connection. Added by `expect`, removed by the
@@ -226,7 +227,7 @@ class DataListener:
     def _accept(self, selector: selectors.BaseSelector) -> None:
         """Accepts what waits, each with a handshake thread. With MAX_HANDSHAKES running, the
         listener is left out of the selector (further connections wait in the backlog) until
-        one ends: this thread never blocks, so kept connections keep being served."""
+        one ends: this thread never blocks on a peer."""
         assert self._listener is not None
         while True:
             if not self._handshakes.acquire(blocking=False):
@@ -360,8 +361,15 @@ class DataListener:
             raise ConnectionRefusedError("no Fetch waits for this ticket")
         # One byte into a socket whose consumer has read all we sent: it never waits, so the
         # event loop sends it without blocking, and fails the connection if it ever had to.
-        if conn.send(ACCEPTED) != len(ACCEPTED):
-            raise ConnectionError("no room for the ACCEPTED byte")
+        # The ticket then stays good for the new connection the consumer makes next.
+        try:
+            if conn.send(ACCEPTED) != len(ACCEPTED):
+                raise ConnectionError("no room for the ACCEPTED byte")
+        except BaseException:
+            with self._lock:
+                if not future.done():  # a Fetch that gave up meanwhile has forgotten it
+                    self._waiting.setdefault(ticket, future)
+            raise
         conn.setblocking(True)
         if kept:
             self.reused += 1

@@ -1,7 +1,9 @@
 """The data listener's guards against a host that runs short: a handshake thread that cannot
 be started refuses its connection and gives its slot back (so the listener never runs out of
-slots for good), and stopping twice is harmless. The producer is real, in-process; only the
-start of a handshake thread is made to fail, as a tight pids limit makes it fail."""
+slots for good), stopping twice is harmless, and a ticket whose ACCEPTED byte found no room
+stays good for the consumer's next connection. The producer is real, in-process; only the
+start of a handshake thread is made to fail, as a tight pids limit makes it fail, and the
+full send buffer is a stand-in."""
 
 from __future__ import annotations
 
@@ -77,3 +79,29 @@ async def test_stopping_twice_is_harmless() -> None:
     listener.stop()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+class NoRoom:
+    """A connection whose send buffer is full (a real one cannot be made full on cue)."""
+
+    def send(self, data: bytes) -> int:
+        raise BlockingIOError("no room")
+
+
+async def test_a_ticket_whose_answer_found_no_room_stays_good_for_the_next_connection() -> None:
+    """The ACCEPTED byte could not go out on a kept connection: that connection is refused,
+    and the consumer's new connection with the same ticket still gets its transfer."""
+    listener = DataListener(Address.parse("127.0.0.1:0"), tls=None, loop=asyncio.get_running_loop())
+    port = listener.start()
+    try:
+        ticket, arrival = listener.expect()
+        with pytest.raises(BlockingIOError):
+            listener._answer(NoRoom(), ticket, kept=True)  # type: ignore[arg-type]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(ticket)
+            assert sock.recv(1) == data_listener.ACCEPTED
+            conn = await asyncio.wait_for(arrival, 5)
+            conn.close()
+        assert (listener.accepted, listener.reused) == (1, 0)
+    finally:
+        listener.stop()
