@@ -8,7 +8,11 @@ prefill worker next to it. So before allocating, the producer measures its room:
 
 - the memory cgroup(s) it runs in — cgroup v2 `memory.max` / `memory.current`, or v1
   `memory.limit_in_bytes` / `memory.usage_in_bytes` — along its cgroup path up to the mount
-  (a container sees its own cgroup at the mount root), the tightest limit winning;
+  (a container sees its own cgroup at the mount root), the tightest limit winning. The usage
+  counts page cache the cgroup was charged for (files it read, e.g. the image's Python
+  modules), which the kernel drops before it OOM-kills anyone; `memory.stat`'s file pages are
+  taken off it. How much cache a container carries depends on which container happened to read
+  a shared image layer first (tens of MiB here), so counting it would make the verdict flap;
 - `MemAvailable` from /proc/meminfo: what the kernel can hand out without swapping.
 
 A pool larger than the room is refused with a one-line configuration error naming `pool_bytes`
@@ -31,7 +35,8 @@ log = logging.getLogger(LOGGER_NAME)
 MiB = 1024 * 1024
 # Beyond the pool, the process holds ~60 MiB at start and peaked ~205 MiB above the pool under
 # 16 concurrent 4 MiB streams (docs/performance.md); the README sizes the limit at pool + 256.
-# This check runs with the start-up part already in use, so it asks for the rest.
+# This check runs with the start-up part already in use (~35 MiB besides page cache, which it
+# does not count), so it asks for the rest.
 BURST_MARGIN_BYTES = 192 * MiB
 # cgroup v1 writes "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _UNLIMITED = 1 << 60
@@ -42,7 +47,9 @@ class MemoryRoom:
     """How many more bytes this process can take, and which limit says so."""
 
     free_bytes: int
-    source: str  # e.g. "cgroup memory.max 512 MiB with 41 MiB in use", "MemAvailable"
+    # e.g. "cgroup memory.max 512 MiB with 41 MiB in use (20 MiB page cache aside)",
+    # "MemAvailable 3,072 MiB"
+    source: str
 
 
 def _mib(nbytes: int) -> str:
@@ -55,6 +62,22 @@ def _read_int(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _page_cache_bytes(stat_file: Path, key_prefix: str) -> int:
+    """File-backed pages charged to the cgroup, both LRU lists (0 when unreadable). Shared
+    memory (tmpfs, memfds, the pool itself) sits on the anon lists, so it stays counted."""
+    try:
+        lines = stat_file.read_text().splitlines()
+    except OSError:
+        return 0
+    wanted = {f"{key_prefix}active_file", f"{key_prefix}inactive_file"}
+    total = 0
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if key in wanted and value.strip().isdigit():
+            total += int(value)
+    return total
 
 
 def _cgroup_rooms(root: Path) -> list[MemoryRoom]:
@@ -72,9 +95,11 @@ def _cgroup_rooms(root: Path) -> list[MemoryRoom]:
         if controllers == "":  # cgroup v2: one unified hierarchy
             mount = root / "sys/fs/cgroup"
             limit_file, usage_file = "memory.max", "memory.current"
+            stat_prefix = ""  # v2's memory.stat already covers the subtree
         elif "memory" in controllers.split(","):  # cgroup v1: the memory controller's own
             mount = root / "sys/fs/cgroup/memory"
             limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            stat_prefix = "total_"  # v1's hierarchical counters, like usage_in_bytes
         else:
             continue
         # The process's own cgroup and its ancestors; a container without a cgroup namespace
@@ -85,13 +110,13 @@ def _cgroup_rooms(root: Path) -> list[MemoryRoom]:
                 continue
             limit = _read_int(folder / limit_file)
             usage = _read_int(folder / usage_file)
-            if limit is not None and limit < _UNLIMITED and usage is not None:
-                rooms.append(
-                    MemoryRoom(
-                        max(limit - usage, 0),
-                        f"cgroup {limit_file} {_mib(limit)} with {_mib(usage)} in use",
-                    )
-                )
+            if limit is None or limit >= _UNLIMITED or usage is None:
+                continue
+            cache = min(_page_cache_bytes(folder / "memory.stat", stat_prefix), usage)
+            source = f"cgroup {limit_file} {_mib(limit)} with {_mib(usage - cache)} in use"
+            if cache >= MiB:  # worth a mention
+                source += f" ({_mib(cache)} page cache aside)"
+            rooms.append(MemoryRoom(max(limit - usage + cache, 0), source))
     return rooms
 
 

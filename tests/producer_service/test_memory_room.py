@@ -88,6 +88,69 @@ def test_cgroup_v1_container_without_cgroup_namespace(tmp_path: Path) -> None:
     assert room == MemoryRoom(190 * MiB, "cgroup memory.limit_in_bytes 192 MiB with 2 MiB in use")
 
 
+def test_page_cache_is_not_counted_as_used_v1(tmp_path: Path) -> None:
+    # Files the container read (its Python modules) are charged to it as page cache, more or
+    # less depending on which container read a shared image layer first; the kernel drops them
+    # before OOM-killing. Shared memory (the pool, memfds) is not file-backed and stays counted.
+    stat = {
+        "total_cache": 300 * MiB,
+        "total_shmem": 256 * MiB,
+        "total_active_file": 15 * MiB,
+        "total_inactive_file": 5 * MiB,
+        "active_file": 1 * MiB,  # this cgroup alone: v1 counts the subtree under total_
+        "total_rss": 32 * MiB,
+    }
+    root = fake_root(
+        tmp_path,
+        "4:memory:/docker/abc\n",
+        {
+            "sys/fs/cgroup/memory/memory.limit_in_bytes": str(512 * MiB),
+            "sys/fs/cgroup/memory/memory.usage_in_bytes": str(64 * MiB),
+            "sys/fs/cgroup/memory/memory.stat": "\n".join(f"{k} {v}" for k, v in stat.items()),
+        },
+    )
+    room = measure_room(root)
+    assert room == MemoryRoom(
+        468 * MiB,
+        "cgroup memory.limit_in_bytes 512 MiB with 44 MiB in use (20 MiB page cache aside)",
+    )
+    check_pool_fits(256 * MiB, room)  # the compose demo's pool and limit: enough margin
+
+
+def test_page_cache_is_not_counted_as_used_v2(tmp_path: Path) -> None:
+    counters = {"anon": 30, "file": 40, "shmem": 10, "active_file": 21, "inactive_file": 9}
+    stat = "\n".join(f"{key} {mib * MiB}" for key, mib in counters.items())
+    root = fake_root(
+        tmp_path,
+        "0::/\n",
+        {
+            "sys/fs/cgroup/memory.max": str(512 * MiB),
+            "sys/fs/cgroup/memory.current": str(70 * MiB),
+            "sys/fs/cgroup/memory.stat": stat,
+        },
+    )
+    room = measure_room(root)
+    assert room == MemoryRoom(
+        472 * MiB, "cgroup memory.max 512 MiB with 40 MiB in use (30 MiB page cache aside)"
+    )
+
+
+def test_page_cache_larger_than_the_usage_frees_no_more_than_the_limit(tmp_path: Path) -> None:
+    # The counters are read one after the other, not atomically: a stat read after pages were
+    # charged may exceed the usage read before. The room never exceeds the limit.
+    root = fake_root(
+        tmp_path,
+        "0::/\n",
+        {
+            "sys/fs/cgroup/memory.max": str(512 * MiB),
+            "sys/fs/cgroup/memory.current": str(10 * MiB),
+            "sys/fs/cgroup/memory.stat": f"active_file {12 * MiB}\ninactive_file garbage",
+        },
+    )
+    room = measure_room(root)
+    assert room is not None and room.free_bytes == 512 * MiB
+
+
 def test_unlimited_cgroups_leave_mem_available(tmp_path: Path) -> None:
     root = fake_root(
         tmp_path,
