@@ -40,7 +40,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvpark.address import Address
-from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_exactly
+from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES
 
 from .logs import LOGGER_NAME
 from .metrics import ProducerMetrics
@@ -324,16 +324,28 @@ class DataListener:
             conn.close()
 
     def _handshake(self, conn: socket.socket, peer: Any, kept: bool, prefix: bytes) -> None:
+        # One deadline for the whole handshake: a socket timeout bounds each recv, and a
+        # peer trickling its ticket a byte at a time would otherwise hold its slot for ever.
+        deadline = time.monotonic() + self._timeout
         try:
             conn.settimeout(self._timeout)
             if not kept:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._tls is not None:
+                if self._tls is not None:  # CPython bounds the TLS handshake as one call
                     conn = self._tls.wrap_socket(conn, server_side=True)
             ticket = bytearray(TICKET_BYTES)
             view = memoryview(ticket)
             view[: len(prefix)] = prefix
-            recv_exactly(conn, view[len(prefix) :])
+            got = len(prefix)
+            while got < TICKET_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no whole ticket within the handshake timeout")
+                conn.settimeout(left)
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("the connection ended before its ticket")
+                got += n
             future = self._answer(conn, bytes(ticket), kept)
         except (OSError, ssl.SSLError, ValueError) as exc:
             self._refuse(conn, peer, exc)

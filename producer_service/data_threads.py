@@ -56,11 +56,18 @@ class DataThreads:
         with self._lock:
             self._queued += 1
         try:
-            return self._pool.submit(job)
+            future = self._pool.submit(job)
         except BaseException:  # closed: the job never runs
             with self._lock:
                 self._queued -= 1
             raise
+        future.add_done_callback(self._cancelled_before_start)
+        return future
+
+    def _cancelled_before_start(self, future: Future[Any]) -> None:
+        if future.cancelled():  # `wait` took it back before a thread started it
+            with self._lock:
+                self._queued -= 1
 
     def waiting(self) -> int:
         """Jobs waiting for a thread (any thread): a long job gives way when this is above 0."""
@@ -90,6 +97,10 @@ async def wait(job: Future[T], *, interrupt: Callable[[], None] | None = None) -
         try:
             await asyncio.shield(outcome)
         except asyncio.CancelledError:
+            # A job no thread has started touches nothing: take it back, leave at once
+            # (only for callers that can be interrupted, i.e. that own no partial state).
+            if interrupt is not None and job.cancel():
+                raise
             if not cancelled and interrupt is not None:
                 interrupt()
             cancelled = True

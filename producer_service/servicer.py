@@ -376,6 +376,11 @@ class KVProducerServicer:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"the consumer did not connect to the data address within {stall_s:g}s",
                     )
+            except BaseException:
+                # A connection delivered in the very turn the Fetch was cancelled or timed out.
+                if arrival.done() and not arrival.cancelled():
+                    arrival.result().close()
+                raise
             finally:
                 self._data.forget(ticket)  # used or not, it opens nothing any more
             keep = self._data.keep if request.reuse_data_connection else None
@@ -438,6 +443,8 @@ class KVProducerServicer:
             self._lot.sent(binding)
         except Stalled:
             self._stalled(binding, kid, context)
+        except OSError as exc:  # the data connection broke: the consumer closed or reset it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection broke: {exc}")
         if not binding.active and binding.failed is None:  # cut off for stalling
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

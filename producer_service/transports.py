@@ -217,7 +217,9 @@ class TcpStream:
         """The Fetch was cancelled mid-write: a send blocked on a full socket fails at once
         instead of at the end of its pause, and the consumer sees the connection end."""
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+            # The plain socket's shutdown, also for TLS: ssl.SSLSocket.shutdown first drops
+            # its SSL object, and a data thread's `send` in between would go out unencrypted.
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
         if not self._handed_back:

@@ -38,6 +38,10 @@ _HEADER = struct.Struct("<IIQ")
 HEADER_BYTES = _HEADER.size
 # sendmsg takes at most IOV_MAX buffers per call (1024 on Linux); a chunk has a few extents.
 _IOV_MAX = 1024
+# Over TLS, one `send` per at most this many bytes: CPython's SSL write is all or nothing and
+# its socket timeout bounds the whole call, so a bigger view that times out counts no progress
+# (and is retried with the very same slice, as OpenSSL requires).
+_TLS_PIECE = 256 * 1024
 
 
 class FrameError(ConnectionError):
@@ -62,8 +66,9 @@ class FrameWriter:
 
     A timed-out call sent nothing (the socket first waits for room, then sends what fits),
     so the position stays exact. Over TLS, where sendmsg is not available, each view goes
-    through `send`; a timed-out TLS write is retried with the very same view, as OpenSSL
-    requires."""
+    through `send`, at most _TLS_PIECE bytes at a time: a TLS write is all or nothing and
+    its timeout bounds the whole call, so one piece that times out sent nothing and is
+    retried with the very same piece, as OpenSSL requires."""
 
     def __init__(self, frames: Iterable[tuple[int, int, Sequence[memoryview]]]) -> None:
         self._frames = iter(frames)
@@ -93,7 +98,9 @@ class FrameWriter:
                     return False
             try:
                 sent = (
-                    sock.send(self._buffers[0]) if tls else sock.sendmsg(self._buffers[:_IOV_MAX])
+                    sock.send(self._buffers[0][:_TLS_PIECE])
+                    if tls
+                    else sock.sendmsg(self._buffers[:_IOV_MAX])
                 )
             except TimeoutError:
                 return False
