@@ -358,7 +358,14 @@ class KVProducerServicer:
         stall_s = self._fetch_stall_timeout_s
         if transport == SHM:
             target = lent.view[request.shm_offset : request.shm_offset + request.shm_length]
-            return ShmStream(context, target, limit=request.shm_length, threads=self._threads)
+            return ShmStream(
+                context,
+                target,
+                limit=request.shm_length,
+                threads=self._threads,
+                stall_s=stall_s,
+                on_stall=self._on_stall(binding, context),
+            )
         if transport == TCP:
             assert self._data is not None
             ticket, arrival = self._data.expect()
@@ -385,8 +392,11 @@ class KVProducerServicer:
                 self._data.forget(ticket)  # used or not, it opens nothing any more
             keep = self._data.keep if request.reuse_data_connection else None
             return TcpStream(sock, stall_s, self._threads, keep)
-        on_stall = functools.partial(self._stalled, binding, binding.entry.kv_request_id, context)
-        return GrpcStream(context, stall_s, on_stall)
+        return GrpcStream(context, stall_s, self._on_stall(binding, context))
+
+    def _on_stall(self, binding: FetchBinding, context: Any) -> Callable[[], None]:
+        """What a write that waited fetch_stall_timeout_s for the consumer does."""
+        return functools.partial(self._stalled, binding, binding.entry.kv_request_id, context)
 
     async def _ready(
         self, binding: FetchBinding, wakeup: asyncio.Event, max_bytes: float, max_chunks: float

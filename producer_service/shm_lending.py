@@ -492,12 +492,15 @@ class ShmLendingServer:
     def _map(self, fd: int, role: str) -> mmap.mmap | str:
         """The producer's mapping of a lent descriptor, or why it is refused."""
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return "the descriptor is not a memfd"
+            # F_GET_SEALS first: it answers from the inode for any descriptor (EINVAL unless
+            # shmem/hugetlbfs), while fstat of a FUSE or hung NFS file could block this thread,
+            # which serves every lend and release.
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError:
                 return "the descriptor is not a memfd (it cannot be sealed)"
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "the descriptor is not a memfd"
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
                 return "the memfd is not sealed against shrinking and growing"
             st = os.fstat(fd)  # after the seals were seen: the size can no longer change

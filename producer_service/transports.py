@@ -83,6 +83,21 @@ class Destination(Protocol):
         """The Fetch is over, however it ended; idempotent."""
 
 
+async def write_watched(
+    context: Any, message: bytes, stall_s: float, on_stall: Callable[[], None]
+) -> None:
+    """Writes a message of the Fetch call. A write waits while the consumer's flow-control
+    window is shut; one that reads nothing for stall_s loses its id (`on_stall`), so it does
+    not stay bound for the life of the consumer's connection. The write itself is not
+    cancelled: grpc core cannot take back a message it holds, and a cancelled send can leave
+    the stream stuck. It ends when the consumer reads or its connection goes."""
+    watchdog = asyncio.get_running_loop().call_later(stall_s, on_stall)
+    try:
+        await context.write(message)
+    finally:
+        watchdog.cancel()
+
+
 class GrpcStream:
     """Chunks as messages of the Fetch call itself."""
 
@@ -95,18 +110,9 @@ class GrpcStream:
         self._on_stall = on_stall
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
-        loop = asyncio.get_running_loop()
         for step in chunks:
             frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
-            # A write waits while the consumer's flow-control window is shut. One that reads
-            # nothing for stall_s loses its id (`on_stall`). The write itself is not cancelled:
-            # grpc core cannot take back a message it holds, and a cancelled send can leave
-            # the stream stuck. It ends when the consumer reads or its connection goes.
-            watchdog = loop.call_later(self._stall_s, self._on_stall)
-            try:
-                await self._context.write(frame)
-            finally:
-                watchdog.cancel()
+            await write_watched(self._context, frame, self._stall_s, self._on_stall)
 
     async def finish(self) -> None:
         pass
@@ -234,10 +240,19 @@ class ShmStream:
     whole_batches = False
 
     def __init__(
-        self, context: Any, target: memoryview, *, limit: int, threads: DataThreads
+        self,
+        context: Any,
+        target: memoryview,
+        *,
+        limit: int,
+        threads: DataThreads,
+        stall_s: float,
+        on_stall: Callable[[], None],
     ) -> None:
         self._context = context
         self._threads = threads
+        self._stall_s = stall_s
+        self._on_stall = on_stall
         self._target = np.frombuffer(target, dtype=np.uint8)
         self._pos = 0
         self._limit = limit
@@ -261,7 +276,8 @@ class ShmStream:
                 chunk_id=step.chunk_id, crc32c=step.crc32c, offset=pos, nbytes=step.nbytes
             )
             pos += step.nbytes
-        await self._context.write(pb.FetchResponse(placed=placed).SerializeToString())
+        message = pb.FetchResponse(placed=placed).SerializeToString()
+        await write_watched(self._context, message, self._stall_s, self._on_stall)
         self._pos = pos
 
     async def finish(self) -> None:
