@@ -11,10 +11,13 @@ latter always propagates.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import ssl
+import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -55,6 +58,10 @@ from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 _CONFIRM_TASK = "kvpark-confirm"
+# Threads for the blocking parts of loads (lending a buffer, reading a data connection): a
+# client's own, not asyncio's default executor (min(32, cpus + 4) threads, shared with the
+# application), so loads waiting on their data connections do not queue the others.
+MAX_LOAD_THREADS = 256
 
 
 class _Watchdog:
@@ -129,6 +136,7 @@ class AsyncKVConsumer(ClientBase):
         self._stub: Any = None
         self._fetch: Any = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._threads = ThreadPoolExecutor(MAX_LOAD_THREADS, thread_name_prefix="kvpark-load")
 
     # ---------------------------------------------------------------------------- lifecycle
     async def aclose(self) -> None:
@@ -148,6 +156,7 @@ class AsyncKVConsumer(ClientBase):
         channel, self._channel = self._channel, None
         self._core.shm.close()
         self._core.data_connections.close()
+        self._threads.shutdown(wait=False)
         if channel is not None:
             await channel.close()
 
@@ -306,7 +315,7 @@ class AsyncKVConsumer(ClientBase):
         the background unless `confirm` (default: the client's) is False."""
         timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
         # Off the event loop: lending a shared buffer can wait on the shm socket.
-        session = await asyncio.to_thread(
+        begin = functools.partial(
             self._core.begin_load,
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -316,17 +325,22 @@ class AsyncKVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            started=time.monotonic(),  # a wait for a thread is part of the load's time
         )
+        session = await asyncio.get_running_loop().run_in_executor(self._threads, begin)
         return await self._run(session, confirm)
 
     async def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
         _, fetch = self._stubs()
         try:
-            await self._stream(fetch, session)
-        except Fallback as why:
-            session = self._core.fall_back(session, why)
-            await self._stream(fetch, session)
+            try:
+                await self._stream(fetch, session)
+            except Fallback as why:
+                session = self._core.fall_back(session, why)
+                await self._stream(fetch, session)
+        finally:
+            self._core.end_load(session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):
             self._in_background(self._confirm_quietly(result), _CONFIRM_TASK)
@@ -358,7 +372,9 @@ class AsyncKVConsumer(ClientBase):
         except grpc.aio.AioRpcError as exc:
             ended = True
             if session.refused_out_of_band(exc.code()):
-                finished = True  # refused before any copy
+                # Refused before any copy: the producer does not hold this lend (it
+                # restarted, say). `finished` stays False, so the lend is settled below and
+                # the next load lends anew instead of naming the dead lend again.
                 raise Fallback(
                     f"the producer refused the lent buffer: {exc.details()}", transport="shm"
                 ) from None
@@ -390,7 +406,8 @@ class AsyncKVConsumer(ClientBase):
             self._core.tcp_worked,
             self._core.data_connections,
         )
-        reading = asyncio.ensure_future(asyncio.to_thread(receiver.run, session))
+        loop = asyncio.get_running_loop()
+        reading = loop.run_in_executor(self._threads, receiver.run, session)
         try:
             return await asyncio.shield(reading)
         except asyncio.CancelledError:
@@ -426,7 +443,7 @@ class AsyncKVConsumer(ClientBase):
         check_policy(policy, recompute)
         timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
         # Off the event loop: lending a shared buffer can wait on the shm socket.
-        session = await asyncio.to_thread(
+        begin = functools.partial(
             self._core.begin_load,
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -437,7 +454,9 @@ class AsyncKVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
             policy=policy,
+            started=time.monotonic(),  # a wait for a thread is part of the load's time
         )
+        session = await asyncio.get_running_loop().run_in_executor(self._threads, begin)
         result = await self._run(session, confirm)
         first = self._core.plan_fallback(result, policy)
         value: Any = None

@@ -169,6 +169,14 @@ class ClientCore:
             with self._lock:
                 self.info = None
 
+    def note_epoch(self, epoch: int) -> None:
+        """An answer came from another producer process than the one ServerInfo described (it
+        restarted and no call saw UNAVAILABLE): forget that ServerInfo, so that shared memory
+        is not checked against a dead process's epoch (and refused) for ever."""
+        with self._lock:
+            if epoch and self.info is not None and self.info.producer_epoch != epoch:
+                self.info = None
+
     def check_timeout(self, timeout: Timeout) -> None:
         """Warns once per client if `timeout` can outlast the producer's tombstones."""
         info = self.info
@@ -238,9 +246,12 @@ class ClientCore:
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
         policy: str = NO_POLICY,
+        started: float | None = None,
     ) -> LoadSession:
-        """Checks a load's arguments (UsageError) and starts its session."""
-        started = time.monotonic()  # lending a buffer below is part of the load's time
+        """Checks a load's arguments (UsageError) and starts its session. `started`: when the
+        caller began the load (the async client, before it waited for a thread)."""
+        if started is None:
+            started = time.monotonic()  # lending a buffer below is part of the load's time
         self.check_open()
         kid = valid_id(kv_request_id)
         ids = _chunk_ids(chunk_ids, num_chunks)
@@ -356,9 +367,14 @@ class ClientCore:
             self.metrics.record_transport_fallback(why.transport)
         return session.over_grpc()
 
-    def finish_load(self, session: LoadSession) -> LoadResult:
-        if session.shm is not None and not session.shm.direct:
+    def end_load(self, session: LoadSession) -> None:
+        """Gives back what the load held, however it ended (a fallback, an exception)."""
+        if session.staged:
+            session.staged = False
             self.shm.unstage()
+
+    def finish_load(self, session: LoadSession) -> LoadResult:
+        self.note_epoch(session.producer_epoch)
         info = self.info
         result = session.result(info.producer_epoch if info else None)
         self.note_status(result.grpc_code, result.reason)

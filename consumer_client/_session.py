@@ -42,7 +42,7 @@ from kvpark.ids import printable_id
 from kvpark.pb import kvpark_pb2 as pb
 
 from ._buffers import Destination, OwnedBuffer
-from ._errors import classify_status, error_for
+from ._errors import BufferTooSmallError, classify_status, error_for
 from ._result import LoadResult, Reason
 from ._timeouts import Timeout
 from .handle import TRANSPORT_NAMES
@@ -96,6 +96,9 @@ class LoadSession:
     ) -> None:
         self.kv_request_id = kv_request_id
         self.shm = shm
+        # This load holds the client's staging buffer (given back by the client when the load
+        # ends, whatever path it ended on, fallback included).
+        self.staged = shm is not None and not shm.direct
         self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
@@ -151,6 +154,7 @@ class LoadSession:
         )
         session.started = self.started
         session.policy = self.policy
+        session.staged = self.staged
         session.deadline = self.deadline
         session.first_chunk_deadline = self.first_chunk_deadline
         return session
@@ -345,6 +349,19 @@ class LoadSession:
         if timed_out:
             self._decide(Reason.TIMEOUT, self._timeout_detail("first chunk"), code)
             return
+        if self.shm is not None and code == grpc.StatusCode.INVALID_ARGUMENT:
+            # After binding, the only INVALID_ARGUMENT of a shm Fetch is a next chunk that does
+            # not fit in the rest of the lent range (docs/protocol.md): the same misuse as a
+            # chunk that does not fit `into` on the other transports.
+            loaded = self._dest.nbytes
+            raise BufferTooSmallError(
+                f"into holds {self.shm.length} bytes; the next chunks do not fit after "
+                f"{loaded} bytes ({details})",
+                needed=self.shm.length + 1,  # at least; the producer names the chunk
+                available=self.shm.length,
+                chunks_loaded=self.chunks_loaded,
+                bytes_loaded=loaded,
+            )
         rule = classify_status(code)
         if rule.load_reason is None:
             raise error_for(code, details, f"Fetch {printable_id(self.kv_request_id)}")
@@ -407,8 +424,17 @@ class LoadSession:
     def give_up(self, reason: Reason, detail: str) -> Step:
         """The client ends the load (a transport of its own saw it fail)."""
         if reason is Reason.TIMEOUT:
-            detail = self._timeout_detail("total")
+            detail = self._timeout_detail(self._limit_passed())
         return self._abandon(reason, detail)
+
+    def _limit_passed(self) -> str:
+        """Which of the load's limits ran out: its first-chunk limit, or its total."""
+        now = self._clock()
+        first = self.first_chunk_deadline
+        before_total = self.deadline is None or now < self.deadline
+        if self.chunks_loaded == 0 and first is not None and first <= now and before_total:
+            return "first chunk"
+        return "total"
 
     def _abandon(self, reason: Reason, detail: str) -> Step:
         self._decide(reason, detail)

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,10 @@ class ShmAccess:
         self._producer_epoch = producer_epoch
         self._advertised_path = advertised_path
         self._lender: ShmLender | None = None
-        self._lends: dict[int, str] = {}  # id(SharedBuffer) -> its lend id
+        # id(SharedBuffer) -> (the buffer, weakly, its lend id). The weak reference tells a
+        # buffer from a later one at the same address; lends of buffers closed or collected
+        # (one owned by another client) are released on the next lend, not kept for ever.
+        self._lends: dict[int, tuple[weakref.ref[SharedBuffer], str]] = {}
         self._buffers: list[SharedBuffer] = []  # handed out by shared_buffer(), closed with us
         self._staging: SharedBuffer | None = None
         self._staging_busy = False
@@ -110,7 +114,11 @@ class ShmAccess:
             old = self._staging
         buffer = old
         if buffer is None or buffer.nbytes < nbytes:
-            buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
+            try:
+                buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
+            except BaseException:
+                self.unstage()  # out of memory or descriptors: not busy for ever
+                raise
             if old is not None:
                 self._forget(old)
             with self._lock:
@@ -133,7 +141,7 @@ class ShmAccess:
         When the producer cannot say so in time, the client's connection is closed and the
         fact logged: the producer may then still finish one copy into the buffer."""
         with self._lock:
-            for key, known in list(self._lends.items()):
+            for key, (_, known) in list(self._lends.items()):
                 if known == lend_id:
                     del self._lends[key]
             lender = self._lender
@@ -149,9 +157,16 @@ class ShmAccess:
         with self._lock:
             if self._lender is not None and not self._lender.connected:
                 self._lends.clear()  # the connection ended, and every lend made over it
-            known = self._lends.get(id(buffer))
-            if known is not None or self._closed:
-                return known
+            stale = self._stale_lends()
+            entry = self._lends.get(id(buffer))
+            known = entry[1] if entry is not None else None
+            lender = self._lender
+        if stale and lender is not None:
+            for lend_id in stale:
+                with contextlib.suppress(ShmUnavailable):
+                    lender.release(lend_id)
+        if known is not None or self._closed:
+            return known
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lender = self._connected(timeout_s)
         if lender is None:
@@ -163,8 +178,24 @@ class ShmAccess:
             self._down(f"lending a buffer failed: {exc}", exc, left)
             return None
         with self._lock:
-            self._lends[id(buffer)] = lend_id
-        return lend_id
+            entry = self._lends.get(id(buffer))
+            if entry is None or entry[0]() is not buffer:
+                self._lends[id(buffer)] = (weakref.ref(buffer), lend_id)
+                return lend_id
+            raced = lend_id  # another thread lent this buffer meanwhile: keep one lend
+        with contextlib.suppress(ShmUnavailable):
+            lender.release(raced)
+        return entry[1]
+
+    def _stale_lends(self) -> list[str]:
+        """Drops (with the lock held) the lends of buffers closed or collected; their ids."""
+        stale = []
+        for key, (ref, lend_id) in list(self._lends.items()):
+            buffer = ref()
+            if buffer is None or buffer.closed:
+                del self._lends[key]
+                stale.append(lend_id)
+        return stale
 
     def _connected(self, timeout_s: float | None = None) -> ShmLender | None:
         # One thread connects at a time: two connections made at once would each replace the
@@ -213,7 +244,8 @@ class ShmAccess:
 
     def _forget(self, buffer: SharedBuffer) -> None:
         with self._lock:
-            lend_id = self._lends.pop(id(buffer), None)
+            entry = self._lends.pop(id(buffer), None)
+            lend_id = entry[1] if entry is not None else None
             lender = self._lender
         if lend_id is not None and lender is not None:
             with contextlib.suppress(ShmUnavailable):

@@ -4,10 +4,11 @@ Thread-safe: one client (one channel) serves every thread of a decode worker; lo
 concurrently as independent streams, and no call waits for another (the lock below only guards
 opening the channel, never a call). All decisions are in `_core` and `_session`; this module
 only waits: it iterates the Fetch stream on the caller's thread, arms the first-chunk watchdog
-(`_alarms.py`; the total timeout is the call's gRPC deadline), and cancels the call when the
-session gives up on it. Background work runs on daemon threads: one ServerInfo read after first
-use, the first-chunk watchdogs (one thread), and the confirmations of deliveries (one worker
-thread, so a load returns as soon as it is verified).
+(`_alarms.py`; the total timeout is the call's gRPC deadline; a TCP data connection's reads
+are bounded by both, `_tcp.py`), and cancels the call when the session gives up on it.
+Background work runs on daemon threads: one ServerInfo read after first use, the first-chunk
+watchdogs (one thread), and the confirmations of deliveries (one worker thread, so a load
+returns as soon as it is verified).
 """
 
 from __future__ import annotations
@@ -319,10 +320,13 @@ class KVConsumer(ClientBase):
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
         _, fetch = self._stubs()
         try:
-            self._stream(fetch, session)
-        except Fallback as why:
-            session = self._core.fall_back(session, why)
-            self._stream(fetch, session)
+            try:
+                self._stream(fetch, session)
+            except Fallback as why:
+                session = self._core.fall_back(session, why)
+                self._stream(fetch, session)
+        finally:
+            self._core.end_load(session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):
             self._confirm_later(result)
@@ -367,7 +371,9 @@ class KVConsumer(ClientBase):
         except grpc.RpcError as exc:
             ended = True
             if session.refused_out_of_band(exc.code()):
-                finished = True  # refused before any copy
+                # Refused before any copy: the producer does not hold this lend (it
+                # restarted, say). `finished` stays False, so the lend is settled below and
+                # the next load lends anew instead of naming the dead lend again.
                 raise Fallback(
                     f"the producer refused the lent buffer: {exc.details()}", transport="shm"
                 ) from None

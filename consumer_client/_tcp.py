@@ -12,11 +12,13 @@ frame leaves its connection there for the next load. Any other end closes it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import ssl
 import time
 from collections.abc import Callable
+from typing import cast
 
 from kvpark.address import Address, target_address
 from kvpark.pb import kvpark_pb2 as pb
@@ -118,6 +120,10 @@ class TcpReceiver:
         self._aborted = True
         sock = self._sock
         if sock is not None:
+            # close() alone does not wake a thread blocked in recv on this socket (Linux), and
+            # the connection stays open until that recv returns: shut it down first.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             sock.close()
 
     def _connect(self, budget_s: float) -> socket.socket:
@@ -218,10 +224,10 @@ class TcpReceiver:
         share = CONNECT_TIMEOUT_S if remaining is None else remaining * OUT_OF_BAND_SHARE
         sock = self._connect(min(CONNECT_TIMEOUT_S, share))
         ended = False  # the end frame came: the connection is idle and may be kept
+        bounded = cast(socket.socket, _Bounded(sock, session))
         try:
-            sock.settimeout(session.remaining_s())
             while True:
-                header = recv_header(sock)
+                header = recv_header(bounded)
                 if header is None:
                     return Step.CONTINUE  # the producer is done: the TransferDone says how
                 if is_end(header):
@@ -232,7 +238,7 @@ class TcpReceiver:
                 if refused is not None:
                     return refused
                 parts = session.parts_for(chunk_id, nbytes)
-                landed_crc = recv_payload(sock, parts, nbytes)
+                landed_crc = recv_payload(bounded, parts, nbytes)
                 step = session.landed(chunk_id, crc32c, parts, nbytes, landed_crc)
                 if step is not Step.CONTINUE:
                     return step
@@ -258,6 +264,32 @@ class TcpReceiver:
             self._connections.give(self._key, sock)
         else:
             sock.close()
+
+
+class _Bounded:
+    """The data socket, each `recv_into` bounded by what is left of the load: its total
+    deadline, and before the first chunk its first-chunk deadline (the DataOffer disarmed the
+    client's first-chunk watchdog). A socket timeout is per call, so setting it once would let
+    a producer that trickles bytes and then goes silent hold the load up to twice its budget."""
+
+    def __init__(self, sock: socket.socket, session: LoadSession) -> None:
+        self._sock = sock
+        self._session = session
+
+    def recv_into(self, view: memoryview) -> int:
+        session = self._session
+        limits = [session.deadline]
+        if session.chunks_loaded == 0:
+            limits.append(session.first_chunk_deadline)
+        bounds = [d for d in limits if d is not None]
+        if bounds:
+            left = min(bounds) - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("load deadline passed")
+            self._sock.settimeout(left)
+        else:
+            self._sock.settimeout(None)
+        return self._sock.recv_into(view)
 
 
 def _until(deadline: float) -> Callable[[], float]:

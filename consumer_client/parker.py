@@ -232,7 +232,9 @@ class KVParker(ClientBase):
             if exc.code() is grpc.StatusCode.CANCELLED:
                 self._core.check_open()
             return outcome.failed(exc.code(), exc.details() or "", quiet=plan is not None)
-        return outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+        result = outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+        self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
+        return result
 
     def batch(
         self,
@@ -537,7 +539,9 @@ class AsyncKVParker(ClientBase):
                 raise
             self._core.check_open()
             return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled")
-        return outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+        result = outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+        self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
+        return result
 
     def batch(
         self,

@@ -1,0 +1,265 @@
+"""The client's loads when time, memory or the producer misbehave on an out-of-band path: the
+first-chunk limit holds over TCP too (the DataOffer comes at once, the bytes need not), a
+data connection that trickles bytes cannot stretch a load past its deadline, cancelling an
+async TCP load ends it at once, async loads waiting on their data connections do not queue
+the others, the staging buffer comes back after a load that raised, a shared buffer that
+runs out midway raises BufferTooSmallError as on every transport, a consumer that stops
+reading its shm Fetch is cut off like a gRPC one, a lend whose buffer its owner closed is
+released, and a restarted producer gets shared memory again. Real producers throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import MiB, free_port, running_producer, wait_for, wait_until
+
+from kvpark import AsyncKVConsumer, BufferTooSmallError, KVConsumer, KVParker, Reason, Timeout
+from kvpark.client._buffers import IntoBuffer
+from kvpark.client._session import LoadSession
+from kvpark.client._tcp import TcpReceiver
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.shm import FETCH_ROLE, SharedBuffer, ShmLender
+from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, header
+
+# A load that is never parked waits this long at the producer, far longer than any bound
+# the tests below wait for: a load that ends sooner ended for the reason under test.
+WAIT_S = 30.0
+TCP_SETTINGS: dict[str, Any] = {"data_listen": "127.0.0.1:0", "max_fetch_wait_s": WAIT_S}
+# Generous bounds on things that should happen at once; missing one is the failure shown.
+PROMPTLY_S = 10.0
+
+
+@pytest.fixture
+def shm_socket() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="kvpark-")  # Unix socket paths are short
+    yield os.path.join(directory, "shm.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def pattern(n: int, nbytes: int = MiB) -> list[np.ndarray]:
+    return [np.full(nbytes, i + 1, np.uint8) for i in range(n)]
+
+
+def park(target: str, kid: str, chunks: list[np.ndarray]) -> bool:
+    with KVParker(target, transport="grpc") as parker:
+        return bool(parker.park(kid, chunks).ok)
+
+
+async def test_the_first_chunk_limit_holds_over_tcp() -> None:
+    async with running_producer(**TCP_SETTINGS) as server:
+
+        def load() -> Any:
+            with KVConsumer(server.target, transport="tcp") as consumer:
+                return consumer.load(
+                    "never", num_chunks=1, timeout=Timeout(2 * WAIT_S, first_chunk_s=0.3)
+                )
+
+        result = await asyncio.wait_for(asyncio.to_thread(load), PROMPTLY_S)
+    assert result.reason is Reason.TIMEOUT and "first chunk" in result.detail, result
+
+
+def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -> None:
+    """A producer's data connection that sends a byte every 0.3 s would keep every single
+    read within a 1 s socket timeout for the 300 s its 1000-byte chunk takes."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def trickle() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                got = 0
+                while got < TICKET_BYTES:
+                    got += len(conn.recv(TICKET_BYTES - got))
+                conn.sendall(ACCEPTED + header(0, 0, 1000))
+                while not stop.wait(0.3):
+                    try:
+                        conn.sendall(b"x")
+                    except OSError:
+                        return
+
+        producer = threading.Thread(target=trickle)
+        producer.start()
+        session = LoadSession(
+            kv_request_id="k",
+            chunk_ids=(0,),
+            destination=IntoBuffer(bytearray(1000)),
+            timeout=Timeout(1.0),
+            expected_epoch=0,
+            wait_timeout_s=0.0,
+            on_chunk=None,
+            accept=(pb.TRANSPORT_TCP,),
+        )
+        offer = pb.DataOffer(
+            transport=pb.TRANSPORT_TCP, address=f"127.0.0.1:{port}", ticket=b"t" * TICKET_BYTES
+        )
+        receiving = threading.Thread(
+            target=TcpReceiver(offer, f"127.0.0.1:{port}", None).run, args=(session,)
+        )
+        try:
+            receiving.start()
+            receiving.join(PROMPTLY_S)
+            assert not receiving.is_alive(), "the load outlived its deadline ten times over"
+        finally:
+            stop.set()
+            producer.join()
+            receiving.join()
+
+
+async def test_cancelling_an_async_tcp_load_ends_it_at_once() -> None:
+    async with running_producer(**TCP_SETTINGS) as server:
+        assert server.data is not None
+        async with AsyncKVConsumer(server.target, transport="tcp") as consumer:
+            loading = asyncio.create_task(consumer.load("never", num_chunks=1, timeout=2 * WAIT_S))
+            await wait_until(lambda: server.data.accepted == 1, what="the data connection")
+            loading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(loading, PROMPTLY_S)
+
+
+async def test_async_loads_waiting_on_data_connections_do_not_hold_up_others() -> None:
+    async with running_producer(**TCP_SETTINGS) as server:
+        assert server.data is not None
+        async with AsyncKVConsumer(server.target, transport="tcp") as consumer:
+            assert await asyncio.to_thread(park, server.target, "here", pattern(1))
+            # More waiting loads than asyncio's default executor has threads on a small host.
+            waiting = [
+                asyncio.create_task(consumer.load(f"never-{i}", num_chunks=1, timeout=2 * WAIT_S))
+                for i in range(12)
+            ]
+            try:
+                await wait_until(lambda: server.data.accepted == 12, what="12 loads waiting")
+                result = await asyncio.wait_for(consumer.load("here", num_chunks=1), PROMPTLY_S)
+                assert result.ok and result.transport == "tcp", result
+            finally:
+                for task in waiting:
+                    task.cancel()
+                await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_the_staging_buffer_comes_back_after_a_load_that_raised(shm_socket: str) -> None:
+    async with running_producer(shm_socket=shm_socket) as server:
+
+        def run() -> Any:
+            with KVParker(server.target) as parker, KVConsumer(
+                server.target, transport="shm", shm_socket=shm_socket
+            ) as consumer:  # fmt: skip
+                for kid in ("a", "b"):
+                    assert parker.park(kid, pattern(1, 4096)).ok
+                with pytest.raises(BufferTooSmallError):
+                    consumer.load("a", num_chunks=1, into=np.zeros(100, np.uint8))
+                # Ordinary memory again: staged through shared memory, not the gRPC stream.
+                return consumer.load("b", num_chunks=1, into=np.zeros(4096, np.uint8))
+
+        result = await asyncio.to_thread(run)
+    assert result.ok and result.transport == "shm", result
+
+
+async def test_a_shared_buffer_that_runs_out_midway_raises_buffer_too_small(
+    shm_socket: str,
+) -> None:
+    async with running_producer(shm_socket=shm_socket, pool_bytes=64 * MiB) as server:
+
+        def run() -> None:
+            with KVParker(server.target) as parker, KVConsumer(
+                server.target, transport="shm", shm_socket=shm_socket
+            ) as consumer:  # fmt: skip
+                assert parker.park("six", pattern(6)).ok
+                # The first batch (4 MiB) fits; the fifth and sixth chunks do not.
+                with pytest.raises(BufferTooSmallError) as raised:
+                    consumer.load("six", num_chunks=6, into=consumer.shared_buffer(5 * MiB))
+                assert raised.value.available == 5 * MiB
+
+        await asyncio.to_thread(run)
+        assert server.lot.lookup(["six"])[0].state == pb.STATE_PARKED  # nothing lost
+
+
+async def test_a_consumer_that_stops_reading_its_shm_fetch_is_cut_off(shm_socket: str) -> None:
+    chunks = 240  # of 64 KiB: their ChunksPlaced messages outgrow a 1 KiB receive window
+    async with running_producer(
+        pool_bytes=64 * MiB, shm_socket=shm_socket, fetch_stall_timeout_s=0.5
+    ) as server:
+        assert await asyncio.to_thread(park, server.target, "s", pattern(chunks, 64 * 1024))
+        landing = SharedBuffer(chunks * 64 * 1024)
+        lender = ShmLender(shm_socket, None, 5.0)
+        await asyncio.to_thread(lender.connect)
+        lend_id = await asyncio.to_thread(lender.lend, landing, FETCH_ROLE)
+        # A tiny receive window that does not grow: a consumer that never reads shuts it soon.
+        options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+        def state() -> pb.State:
+            return server.lot.lookup(["s"])[0].state
+
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            request = pb.FetchRequest(
+                kv_request_id="s",
+                accept_transports=[pb.TRANSPORT_SHM],
+                shm_lend_id=lend_id,
+                shm_length=landing.nbytes,
+            )
+            call = pb_grpc.KVProducerStub(channel).Fetch(request)  # never read
+            try:
+                await wait_until(lambda: state() == pb.STATE_BOUND, what="the Fetch bound")
+                await wait_until(lambda: state() == pb.STATE_PARKED, what="the id back to PARKED")
+            finally:
+                call.cancel()
+        lender.close()
+        landing.close()
+
+
+async def test_a_lend_whose_buffer_its_owner_closed_is_released(shm_socket: str) -> None:
+    async with running_producer(pool_bytes=64 * MiB, shm_socket=shm_socket) as server:
+        assert server.shm is not None
+
+        def run() -> None:
+            with KVConsumer(server.target, shm_socket=shm_socket) as consumer:
+                with KVParker(server.target, shm_socket=shm_socket, transport="grpc") as parker:
+                    for kid in ("a", "b"):
+                        assert parker.park(kid, pattern(1)).ok
+                    # The parker owns the buffer; the consumer lends it for its load.
+                    result = consumer.load("a", num_chunks=1, into=parker.shared_buffer(MiB))
+                    assert result.ok and result.transport == "shm", result
+                # The parker closed its buffers; the consumer's next lend lets the old one go.
+                result = consumer.load("b", num_chunks=1, into=consumer.shared_buffer(MiB))
+                assert result.ok and result.transport == "shm", result
+                wait_for(lambda: lends() == 1, what="only the consumer's own buffer lent")
+
+        def lends() -> int:
+            assert server.shm is not None
+            return server.shm.lend_count
+
+        await asyncio.to_thread(run)
+
+
+async def test_a_restarted_producer_gets_shared_memory_again(shm_socket: str) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    consumer = KVConsumer(listen, shm_socket=shm_socket)
+    landing = consumer.shared_buffer(2 * MiB)
+
+    def park_and_load(kid: str) -> tuple[bool, str]:
+        with KVParker(listen, transport="grpc") as parker:
+            assert parker.park(kid, pattern(2)).ok
+        result = consumer.load(kid, num_chunks=2, into=landing)
+        return result.ok, result.transport
+
+    try:
+        async with running_producer(listen=listen, pool_bytes=64 * MiB, shm_socket=shm_socket):
+            assert await asyncio.to_thread(park_and_load, "before") == (True, "shm")
+        async with running_producer(listen=listen, pool_bytes=64 * MiB, shm_socket=shm_socket):
+            # The first load after the restart may find the old lend gone and fall back; the
+            # ones after it lend anew.
+            after = [await asyncio.to_thread(park_and_load, kid) for kid in ("b", "c", "d")]
+    finally:
+        consumer.close()
+    assert after[-1] == (True, "shm"), after
