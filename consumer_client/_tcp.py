@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import socket
 import ssl
 import time
@@ -270,25 +271,35 @@ class _Bounded:
     """The data socket, each `recv_into` bounded by what is left of the load: its total
     deadline, and before the first chunk its first-chunk deadline (the DataOffer disarmed the
     client's first-chunk watchdog). A socket timeout is per call, so setting it once would let
-    a producer that trickles bytes and then goes silent hold the load up to twice its budget."""
+    a producer that trickles bytes and then goes silent hold the load up to twice its budget.
+    Setting it before every read costs a system call per read (thousands per load), so it is
+    set again only when the bound moved or RESET_S passed since: a read then ends at most
+    RESET_S after the bound."""
+
+    RESET_S = 0.05
 
     def __init__(self, sock: socket.socket, session: LoadSession) -> None:
         self._sock = sock
         self._session = session
+        self._bound: float | None = None
+        self._set_at = -math.inf
 
     def recv_into(self, view: memoryview) -> int:
         session = self._session
-        limits = [session.deadline]
-        if session.chunks_loaded == 0:
-            limits.append(session.first_chunk_deadline)
-        bounds = [d for d in limits if d is not None]
-        if bounds:
-            left = min(bounds) - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("load deadline passed")
-            self._sock.settimeout(left)
-        else:
+        bound = session.deadline
+        first = session.first_chunk_deadline
+        if first is not None and session.chunks_loaded == 0 and (bound is None or first < bound):
+            bound = first
+        if bound is not None:
+            now = time.monotonic()
+            if bound != self._bound or now - self._set_at > self.RESET_S:
+                if now >= bound:
+                    raise TimeoutError("load deadline passed")
+                self._sock.settimeout(bound - now)
+                self._bound, self._set_at = bound, now
+        elif self._bound is not None or self._set_at == -math.inf:
             self._sock.settimeout(None)
+            self._bound, self._set_at = None, 0.0
         return self._sock.recv_into(view)
 
 
