@@ -40,8 +40,8 @@ class DataConnections:
         """The most recently kept connection to `key` that still looks usable, or None."""
         while True:
             with self._lock:
+                expired = self._expired()
                 kept = self._idle.get(key)
-                expired = self._expired(kept)
                 sock = kept.pop()[0] if kept else None
             for old in expired:
                 old.close()
@@ -52,8 +52,8 @@ class DataConnections:
     def give(self, key: Hashable, sock: socket.socket) -> None:
         """Keeps `sock`, idle at a frame boundary, for the next load to `key`."""
         with self._lock:
+            expired = self._expired()
             kept = self._idle.setdefault(key, [])
-            expired = self._expired(kept)
             if self._closed or len(kept) >= MAX_PER_ADDRESS:
                 expired.append(sock)
             else:
@@ -61,13 +61,18 @@ class DataConnections:
         for old in expired:
             old.close()
 
-    def _expired(self, kept: list[tuple[socket.socket, float]] | None) -> list[socket.socket]:
-        """Takes the connections idle for IDLE_S out of `kept` (oldest first, under the
-        lock), so that a burst's extra connections are closed by the client, not left behind
-        once the producer closed its end."""
-        expired = []
-        while kept and time.monotonic() - kept[0][1] >= self._idle_s:
-            expired.append(kept.pop(0)[0])
+    def _expired(self) -> list[socket.socket]:
+        """Takes the connections idle for IDLE_S out (under the lock), to every address, not
+        only the one in use: a burst's extra connections, and those to a producer this
+        client no longer loads from (it left the fleet, it was replaced), are closed by the
+        client rather than left half-closed once the producer closed its end. Each list is
+        oldest first, so this looks at one connection per address still in use."""
+        now, expired = time.monotonic(), []
+        for key, kept in list(self._idle.items()):
+            while kept and now - kept[0][1] >= self._idle_s:
+                expired.append(kept.pop(0)[0])
+            if not kept:
+                del self._idle[key]
         return expired
 
     def idle(self, key: Hashable) -> int:

@@ -417,3 +417,23 @@ async def test_kept_connections_are_served_while_every_handshake_slot_is_taken()
             finally:
                 for sock in silent:
                     sock.close()
+
+
+def test_a_connection_kept_for_an_address_no_longer_used_is_closed_by_any_next_use() -> None:
+    """A connection kept for one producer is closed once idle past the limit when the client
+    next uses any address, not only when it loads from that producer again: a decode worker
+    whose producer left the fleet must not hold its connections half-closed for ever."""
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        (gone, _), (other, _) = pairs
+        expiring = _data_connections.DataConnections(idle_s=0.0)
+        expiring.give("producer-that-left", gone)
+        assert expiring.take("another-producer") is None
+        assert gone.fileno() == -1 and expiring.idle("producer-that-left") == 0
+        expiring.give("producer-that-left", other)
+        expiring.give("another-producer", pairs[0][1])
+        assert other.fileno() == -1  # giving to another address expires it too
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
