@@ -269,7 +269,7 @@ class ClientCore:
         shm = self._shm_target(
             into, destination, None if limit is None else limit * OUT_OF_BAND_SHARE
         )
-        accept = self.accept_transports()
+        accept, tcp_probe = self.accept_transports()
         session = LoadSession(
             kv_request_id=kid,
             chunk_ids=ids,
@@ -284,6 +284,7 @@ class ClientCore:
             started=started,
         )
         session.policy = policy
+        session.tcp_probe = tcp_probe
         return session
 
     def _shm_target(
@@ -319,30 +320,44 @@ class ClientCore:
         wanted = self.transport == "shm" or (self.transport == "auto" and self.shm.has_buffers)
         return wanted and self.info is None and not self.closed
 
-    def accept_transports(self) -> tuple[pb.Transport, ...]:
-        """What a Fetch offers to take, best first (the producer picks what it has). TCP goes
-        in when it can work: over TLS only with `data_tls`, since the channel's credentials
-        cannot be reused for a plain socket."""
+    def accept_transports(self) -> tuple[tuple[pb.Transport, ...], float | None]:
+        """What a Fetch offers to take, best first (the producer picks what it has), and
+        `tcp_turn`'s pause when this load is the one that tries TCP again. TCP goes in when it
+        can work: over TLS only with `data_tls`, since the channel's credentials cannot be
+        reused for a plain socket."""
         if self.transport == "grpc":
-            return ()
-        wanted = self.transport in ("auto", "tcp") and self.tcp_usable()
-        accept = [pb.TRANSPORT_TCP] if wanted and self._tcp_turn() else []
-        return (*accept, pb.TRANSPORT_GRPC)
+            return (), None
+        turn = self.transport in ("auto", "tcp") and self.tcp_usable() and self._tcp_turn()
+        if turn is False:
+            return (pb.TRANSPORT_GRPC,), None
+        return (pb.TRANSPORT_TCP, pb.TRANSPORT_GRPC), None if turn is True else turn
 
     def tcp_usable(self) -> bool:
         return self.channel.credentials is None or self.data_tls is not None
 
-    def _tcp_turn(self) -> bool:
+    def _tcp_turn(self) -> bool | float:
         """Whether this load may offer TCP. After a data connection failed, no load does for
         RETRY_AFTER_S, then one load per RETRY_AFTER_S tries it, until one gets through: a data
-        port that a firewall drops would otherwise cost every load its connect attempt."""
+        port that a firewall drops would otherwise cost every load its connect attempt. The
+        load that tries gets the pause it set (a float): `end_load` gives it back when the load
+        learnt nothing of the path."""
         with self._lock:
             now = time.monotonic()
             if now < self._tcp_down_until:
                 return False
-            if self._tcp_failed:
-                self._tcp_down_until = now + RETRY_AFTER_S  # this load tries; the rest wait
-            return True
+            if not self._tcp_failed:
+                return True
+            self._tcp_down_until = now + RETRY_AFTER_S  # this load tries; the rest wait
+            return self._tcp_down_until
+
+    def _tcp_turn_unused(self, pause_until: float) -> None:
+        """The load that tried TCP again ended with neither a data connection accepted nor a
+        failure of the path (the id was gone, so no DataOffer came; the attempt had no time
+        left; the producer no longer waited for its ticket): the next load tries at once
+        rather than after another RETRY_AFTER_S over the gRPC stream."""
+        with self._lock:
+            if self._tcp_failed and self._tcp_down_until == pause_until:
+                self._tcp_down_until = 0.0
 
     def tcp_worked(self) -> None:
         """A data connection was accepted: TCP is offered again on every load."""
@@ -372,6 +387,8 @@ class ClientCore:
         if session.staged:
             session.staged = False
             self.shm.unstage()
+        if session.tcp_probe is not None:
+            self._tcp_turn_unused(session.tcp_probe)
 
     def finish_load(self, session: LoadSession) -> LoadResult:
         self.note_epoch(session.producer_epoch)

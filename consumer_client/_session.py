@@ -99,6 +99,9 @@ class LoadSession:
         # This load holds the client's staging buffer (given back by the client when the load
         # ends, whatever path it ended on, fallback included).
         self.staged = shm is not None and not shm.direct
+        # This load is the one that tries TCP again after a pause (ClientCore.tcp_turn):
+        # the end of the pause it set, given back when the load learnt nothing of the path.
+        self.tcp_probe: float | None = None
         self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
@@ -155,6 +158,7 @@ class LoadSession:
         session.started = self.started
         session.policy = self.policy
         session.staged = self.staged
+        session.tcp_probe = self.tcp_probe
         session.deadline = self.deadline
         session.first_chunk_deadline = self.first_chunk_deadline
         return session

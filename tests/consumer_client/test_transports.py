@@ -594,6 +594,49 @@ async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used
     assert tcp_fallbacks(registry) == 1
 
 
+async def test_a_try_after_the_pause_that_learns_nothing_of_the_path_does_not_restart_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The load whose turn it is to try TCP after the pause may learn nothing about the path:
+    its id was released, so the answer comes at once with no DataOffer. The next load then
+    tries TCP itself (and uses it: the path works) instead of waiting another RETRY_AFTER_S
+    over the gRPC stream."""
+    from kvpark.client import _core
+
+    ahead = [0.0]  # how far the client's clock has been stepped past the real one
+    monotonic = time.monotonic
+    monkeypatch.setattr(
+        _core, "time", type("Clock", (), {"monotonic": lambda: monotonic() + ahead[0]})
+    )
+    with dropping_port() as port:
+        async with running_producer(**SETTINGS) as server:
+            working = f":{server.data_port}"
+            data = server.data
+
+            def run() -> list[tuple[str, str | None]]:
+                with KVParker(server.target) as parker:
+                    for kid in ("q0", "q1", "gone"):
+                        assert parker.park(kid, chunks(1)).ok
+                    assert parker.release("gone").ok
+                with KVConsumer(server.target) as c:
+
+                    def load(kid: str) -> tuple[str, str | None]:
+                        result = c.load(kid, num_chunks=1, timeout=Timeout(2))
+                        return result.transport, result.reason and result.reason.value
+
+                    server.servicer.offer(data=data, data_address=f"127.0.0.1:{port}", shm=None)
+                    seen = [load("q0")]  # fails over; TCP paused
+                    server.servicer.offer(data=data, data_address=working, shm=None)
+                    ahead[0] += _core.RETRY_AFTER_S
+                    seen.append(load("gone"))  # its turn to try: no DataOffer comes
+                    seen.append(load("q1"))  # so this one tries, and gets in
+                    return seen
+
+            seen = await in_thread(run)
+            server.lot.check_invariants()
+    assert [seen[0], seen[1][1], seen[2]] == [("grpc", None), "RELEASED", ("tcp", None)], seen
+
+
 # ======================================================================== shared memory
 async def test_a_lent_buffer_too_small_is_a_clear_error_and_nothing_is_lost(
     shm_socket: str,
