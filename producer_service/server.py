@@ -30,7 +30,7 @@ from .config import ProducerConfig
 from .credentials import Credentials, load_credentials
 from .data_listener import DataListener
 from .data_threads import DataThreads
-from .fd_budget import check_fd_budget
+from .fd_budget import check_fd_budget, descriptors_needed
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
@@ -58,9 +58,6 @@ _CONNECTION_IDLE_MS = 5 * 60_000
 # frame grpc core holds for it, since a server has no other way to drop such a stream.
 _CONNECTION_AGE_MS = 10 * 60_000
 _CONNECTION_AGE_GRACE_MS = 30_000
-# File descriptors the process needs besides one per connection (pool, logs, metrics, data
-# listeners, grpc's own pipes and epoll), checked against RLIMIT_NOFILE at start-up.
-_FD_MARGIN = 64
 # How often shutdown re-checks whether bound Fetches have drained.
 _DRAIN_POLL_S = 0.02
 
@@ -150,7 +147,7 @@ class ProducerServer:
 
     # ---------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        check_fd_budget(self.config.max_connections + _FD_MARGIN)
+        check_fd_budget(descriptors_needed(self.config))
         interceptors = [self._auth] if self._auth else []
         self._warn_half_protected(interceptors)
         server = grpc.aio.server(

@@ -49,6 +49,13 @@ log = logging.getLogger(LOGGER_NAME)
 
 DEFAULT_MAX_LEND_BYTES = 64 * 1024**3
 DEFAULT_MAX_CONNECTIONS = 256
+# Lends held at once over all connections. Each holds a descriptor (Python's mmap keeps its own
+# duplicate), so this bounds them below what max_connections times the per-connection limit
+# would allow (16,384), and the producer's descriptor budget counts it (fd_budget.py).
+DEFAULT_MAX_LENDS = 4096
+# The most descriptors the lending server holds at once with its defaults: its socket and
+# wake-up pair, its connections and every lend's mapping.
+DESCRIPTORS = 3 + DEFAULT_MAX_CONNECTIONS + DEFAULT_MAX_LENDS
 SOCKET_MODE = 0o660
 # A lend carries one descriptor; room for a few more so that extras are received (and closed)
 # rather than silently dropped by the kernel with MSG_CTRUNC.
@@ -184,9 +191,9 @@ class ShmLendingServer:
     `get` is safe from any thread.
 
     Bounds: max_connections open at once (more are answered with a refusal and closed),
-    max_lends_per_connection, max_lend_bytes per buffer, and message_timeout_s for a started
-    message (and for the hello after connecting) to arrive whole. Each lend holds one
-    descriptor (the mapping's own) besides the connection's.
+    max_lends_per_connection, max_lends over all connections, max_lend_bytes per buffer, and
+    message_timeout_s for a started message (and for the hello after connecting) to arrive
+    whole. Each lend holds one descriptor (the mapping's own) besides the connection's.
     """
 
     def __init__(
@@ -198,9 +205,10 @@ class ShmLendingServer:
         max_lend_bytes: int = DEFAULT_MAX_LEND_BYTES,
         *,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_lends: int = DEFAULT_MAX_LENDS,
         message_timeout_s: float = 5.0,
     ) -> None:
-        if max_lends_per_connection < 1 or max_lend_bytes < 1 or max_connections < 1:
+        if min(max_lends_per_connection, max_lend_bytes, max_connections, max_lends) < 1:
             raise ValueError("limits must be >= 1")
         self.path = path
         self.epoch = epoch
@@ -208,6 +216,7 @@ class ShmLendingServer:
         self._max_lends = max_lends_per_connection
         self._max_lend_bytes = max_lend_bytes
         self._max_connections = max_connections
+        self._max_total_lends = max_lends
         self._message_timeout_s = message_timeout_s
         self._lock = threading.Lock()  # guards _lends: the gRPC handlers read it
         self._lends: dict[str, LentBuffer] = {}
@@ -477,6 +486,13 @@ class ShmLendingServer:
             return _refusal(refused)
         if len(conn.lends) >= self._max_lends:
             return _refusal(f"this connection already holds {self._max_lends} lends, the most")
+        with self._lock:
+            held = len(self._lends)
+        if held >= self._max_total_lends:
+            return _refusal(
+                f"the producer holds {held} lends, the most it takes (each costs it a file "
+                "descriptor); release buffers no longer used"
+            )
         mapped = self._map(fds[0], role)
         if isinstance(mapped, str):
             return _refusal(mapped)

@@ -341,3 +341,24 @@ def test_a_descriptor_limit_below_max_connections_is_a_config_error(tmp_path: An
     assert run.returncode == 2, run.stderr
     assert "max_connections" in run.stderr and "256" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_descriptor_budget_counts_the_data_listener_and_the_shm_socket(tmp_path: Any) -> None:
+    """Kept data connections, TCP Fetches in flight and lent buffers each hold a descriptor:
+    a limit that max_connections alone fits is still a config error once the data listener
+    and the shm socket are on, and the message names each part with its count."""
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1500, 1500))
+
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpark.producer", "--listen", "127.0.0.1:0",
+         "--metrics-listen", "", "--pool-bytes", "16MiB", "--max-chunk-bytes", "1MiB",
+         "--max-connections", "100", "--max-concurrent-rpcs", "100",
+         "--data-listen", "127.0.0.1:0", "--shm-socket", str(tmp_path / "shm.sock")],
+        capture_output=True, text=True, timeout=60, preexec_fn=low_limit, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    for part in ("max_connections 164", "data_listen", "shm_socket", "1500"):
+        assert part in run.stderr, (part, run.stderr)
+    assert len(run.stderr.strip().splitlines()) == 1

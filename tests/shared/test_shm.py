@@ -377,6 +377,20 @@ def test_a_role_without_a_token_is_open(start_server: Any, lenders: Any) -> None
             lenders(server, None).lend(buffer, "park")
 
 
+def test_lends_over_all_connections_are_bounded(start_server: Any, lenders: Any) -> None:
+    """Each lend holds a producer descriptor, so the lends of all connections together have
+    a limit too; a lend past it is refused with a reason, and one released makes room."""
+    server = start_server(max_lends=2)
+    first, second = lenders(server, "fetch"), lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        held = first.lend(buffer, "fetch")
+        second.lend(buffer, "fetch")
+        with pytest.raises(ShmRefused, match="holds 2 lends"):
+            second.lend(buffer, "fetch")
+        assert first.release(held) is True
+        assert server.get(second.lend(buffer, "fetch"), "fetch") is not None
+
+
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
     server = start_server(max_lends_per_connection=2, max_lend_bytes=2 * MiB)
     lender = lenders(server, "fetch")
