@@ -22,11 +22,16 @@ NAMES = {"raw_tcp": "raw TCP loopback", "park": "park", "fetch": "fetch",
          "fetch_one": f"one fetch, beside the {STREAMS}",
          "fetch_concurrent": f"{STREAMS} fetches at once",
          "fetch_concurrent_probed": f"{STREAMS} at once, late fetches too",
+         "raw_tcp_one": f"raw TCP, one beside the {STREAMS}",
+         "raw_tcp_concurrent": f"raw TCP, {STREAMS} at once",
          "lookup": "unary Lookup",
          "late_fetch": "late fetch (RELEASED id)",
          "late_fetch_busy": f"late fetch during {STREAMS} fetches"}  # fmt: skip
-TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "fetch_one", "fetch_concurrent",
-                  "fetch_concurrent_probed")  # fmt: skip
+TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "raw_tcp_one", "raw_tcp_concurrent", "fetch_one",
+                  "fetch_concurrent", "fetch_concurrent_probed")  # fmt: skip
+# A row of transfers at once -> the one transfer each repetition of it is paired with.
+_PAIRED_WITH = {"fetch_concurrent": "fetch_one", "fetch_concurrent_probed": "fetch_one",
+                "raw_tcp_concurrent": "raw_tcp_one"}  # fmt: skip
 LATENCY_KINDS = ("lookup", "late_fetch", "late_fetch_busy")
 
 
@@ -53,17 +58,18 @@ def document(meta: dict[str, Any], rows: Sequence[Row], nbytes: int) -> dict[str
     transfer: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
     raw: dict[int, Row] = {}  # chunk size -> its raw-TCP row
-    # (transport, chunk) -> the one load measured beside the concurrent ones
-    single: dict[tuple[str | None, int], Row] = {}
+    # (kind, transport, chunk) -> the one transfer measured beside the concurrent ones
+    single: dict[tuple[str, str | None, int], Row] = {}
     for row in (r for r in rows if r.seconds):
         if row.kind == "raw_tcp":
             raw[row.chunk_bytes] = row
-        if row.kind == "fetch_one":
-            single[row.transport, row.chunk_bytes] = row
+        if row.kind in _PAIRED_WITH.values():
+            single[row.kind, row.transport, row.chunk_bytes] = row
         if row.kind in TRANSFER_KINDS and row.chunk_bytes in raw:
             transfer.append(_transfer(row, raw[row.chunk_bytes], nbytes))
-            alone = single.get((row.transport, row.chunk_bytes))
-            if row.kind.startswith("fetch_concurrent") and alone is not None:
+            one_kind = _PAIRED_WITH.get(row.kind, "")
+            alone = single.get((one_kind, row.transport, row.chunk_bytes))
+            if alone is not None:
                 # Aggregate throughput over one load's: the same bytes, in one wall time each,
                 # paired per repetition (they ran back to back).
                 paired = zip(alone.seconds, row.seconds, strict=False)

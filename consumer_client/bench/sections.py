@@ -223,8 +223,38 @@ def concurrent(run: Run) -> None:
     source = payload.pattern(p.size)
     spans = [(i * part, (i + 1) * part if i < STREAMS - 1 else p.size) for i in range(STREAMS)]
     with _loading_threads() as pool:
+        _raw_concurrent_rows(run, pool, source, spans)
         for transport in p.transports:
             _concurrent_rows(run, transport, pool, source, spans)
+
+
+def _raw_concurrent_rows(
+    run: Run, pool: ThreadPoolExecutor, source: payload.U8, spans: list[tuple[int, int]]
+) -> None:
+    """The machine's own cost of STREAMS transfers at once, the reference for the loads':
+    raw TCP (rawtcp.py) moves the same spans over STREAMS connections, received by the
+    loads' threads, each repetition paired with one raw transfer of them all just before."""
+    chunk = run.plan.chunks[0]
+    one = Row("raw_tcp_one", None, chunk)
+    at_once = Row("raw_tcp_concurrent", None, chunk)
+    run.rows += [one, at_once]
+    dest = np.empty(run.plan.size, dtype=np.uint8)
+    tcp = RawTcp(run.plan.size, connections=STREAMS)
+    try:
+        for rep in range(run.plan.reps):
+            what = f"{STREAMS} raw TCP transfers at once, repetition {rep + 1}/{run.plan.reps}"
+            run.progress(f"{what}: one transfer of them all")
+            for row, windows, threads in (
+                (one, [(0, dest)], None),
+                (at_once, [(start, dest[start:end]) for start, end in spans], pool),
+            ):
+                dest.fill(0)
+                this = time.process_time()
+                seconds, peer_cpu = tcp.transfer_at_once(windows, chunk, threads)
+                row.add(seconds, time.process_time() - this, peer_cpu)
+                run.compare(dest, source, what)
+    finally:
+        tcp.close()
 
 
 def _concurrent_rows(

@@ -39,6 +39,24 @@ def test_concurrent_ratio_pairs_each_repetition_with_the_one_load_before_it() ->
     assert target["measured"] == 1.0 and target["met"] is True
 
 
+def test_raw_tcp_transfers_at_once_pair_with_raw_tcps_one_transfer_alone() -> None:
+    """The machine's own concurrency reference pairs with the raw transfer run just before it,
+    and the loads' ratio still pairs with the one load, not with that raw transfer."""
+    rows = [
+        row("raw_tcp", [0.2, 0.2, 0.2], None),
+        row("raw_tcp_one", [0.1, 0.1, 0.1], None),
+        row("raw_tcp_concurrent", [0.125, 0.125, 0.2], None),
+        row("fetch_one", [0.2, 0.2, 0.2]),
+        row("fetch_concurrent", [0.2, 0.2, 0.4]),
+    ]
+    doc = document(META, rows, SIZE)
+    ratios = {r["kind"]: r.get("ratio_to_single") for r in doc["transfer"]}
+    assert ratios["raw_tcp_concurrent"] == 0.8  # per repetition: 0.8, 0.8, 0.5
+    assert ratios["fetch_concurrent"] == 1.0  # 1.0, 1.0, 0.5; with raw TCP's one: 0.5
+    assert ratios["raw_tcp_one"] is None and ratios["fetch_one"] is None
+    assert "raw TCP, 16 at once" in table(doc)
+
+
 def test_a_target_just_missed_does_not_print_as_its_goal() -> None:
     rows = [row("raw_tcp", [1.0, 1.0, 1.0], None), row("fetch", [2.228] * 3)]  # 0.4488x
     text = table(document(META, rows, SIZE))

@@ -43,8 +43,10 @@ def check_document(
     # warm-up's 4 KiB per transport: all compared byte for byte
     verified = size * reps * len(chunks) * (1 + len(transports)) + 4096 * len(transports)
     # per repetition, one load of the whole transfer, then the concurrent loads twice: alone,
-    # and with late fetches
-    assert doc["verified_bytes"] == verified + 3 * concurrent * size * reps * len(transports)
+    # and with late fetches; and once for all transports, raw TCP's one transfer and its
+    # transfers at once
+    per_rep = 3 * len(transports) + 2
+    assert doc["verified_bytes"] == verified + per_rep * concurrent * size * reps
     rows = {(r["kind"], r["transport"], r["chunk_bytes"]): r for r in doc["transfer"]}
     expected = {("raw_tcp", None, c) for c in chunks}
     expected |= {("park", t, c) for t in transports if t != "tcp" for c in chunks}
@@ -55,13 +57,16 @@ def check_document(
         for t in transports
         if concurrent
     }
+    expected |= {(k, None, chunks[0]) for k in ("raw_tcp_one", "raw_tcp_concurrent") if concurrent}
     assert rows.keys() == expected
     for row in rows.values():
         assert len(row["seconds"]) == reps and row["gbps"] > 0, row
         assert 0 < row["ratio_to_raw_tcp"] < math.inf, row
         assert row["cpu_s_per_gb"]["this"] > 0, row
-        if row["kind"].startswith("fetch_concurrent"):
+        if row["kind"].startswith(("fetch_concurrent", "raw_tcp_concurrent")):
             assert 0 < row["ratio_to_single"] < math.inf, row
+        else:
+            assert "ratio_to_single" not in row, row
     latency = {(r["kind"], r["transport"]): r for r in doc["latency"]}
     busy = {("late_fetch_busy", t) for t in transports if concurrent}
     assert latency.keys() == {(k, t) for k in ("lookup", "late_fetch") for t in transports} | busy
@@ -119,6 +124,7 @@ def test_target_measures_a_running_producer_and_leaves_it_running(
                                "version": doc["producer"]["version"]}  # fmt: skip
     for row in doc["transfer"]:  # the producer's CPU time is not ours to read; the peer's is
         assert (row["cpu_s_per_gb"]["other"] is None) == (row["kind"] != "raw_tcp"), row
+    assert not any(row["kind"].startswith("raw_tcp_") for row in doc["transfer"])  # 8 chunks
     assert proc.stderr == "" and producer.proc.poll() is None
 
     # A refused token is a section that could not run: exit 1, the reason in the report.
