@@ -351,10 +351,10 @@ class ClientCore:
             return self._tcp_down_until
 
     def _tcp_turn_unused(self, pause_until: float) -> None:
-        """The load that tried TCP again ended with neither a data connection accepted nor a
-        failure of the path (the id was gone, so no DataOffer came; the attempt had no time
-        left; the producer no longer waited for its ticket): the next load tries at once
-        rather than after another RETRY_AFTER_S over the gRPC stream."""
+        """The load whose turn it was to try TCP again never got to try: no DataOffer came
+        (its id was gone, the producer picked another transport). The next load tries at once
+        rather than after another RETRY_AFTER_S over the gRPC stream. A load that did try
+        keeps the pause, whatever the outcome: its connect spent the time the pause saves."""
         with self._lock:
             if self._tcp_failed and self._tcp_down_until == pause_until:
                 self._tcp_down_until = 0.0
@@ -368,6 +368,8 @@ class ClientCore:
     def fall_back(self, session: LoadSession, why: Fallback) -> LoadSession:
         """The load over the gRPC stream, after its shm or tcp path failed before the first
         byte (counted in the metrics; a failed data connection also pauses TCP)."""
+        if why.transport == "tcp":
+            session.tcp_probe = None  # it tried: the turn is used (see `_tcp_turn_unused`)
         if why.transport == "tcp" and why.path_failed:
             with self._lock:
                 self._tcp_failed = True
@@ -387,7 +389,7 @@ class ClientCore:
         if session.staged:
             session.staged = False
             self.shm.unstage()
-        if session.tcp_probe is not None:
+        if session.tcp_probe is not None and session.offer is None:
             self._tcp_turn_unused(session.tcp_probe)
 
     def finish_load(self, session: LoadSession) -> LoadResult:

@@ -99,8 +99,8 @@ class LoadSession:
         # This load holds the client's staging buffer (given back by the client when the load
         # ends, whatever path it ended on, fallback included).
         self.staged = shm is not None and not shm.direct
-        # This load is the one that tries TCP again after a pause (ClientCore.tcp_turn):
-        # the end of the pause it set, given back when the load learnt nothing of the path.
+        # This load is the one that tries TCP again after a pause (ClientCore._tcp_turn):
+        # the end of the pause it set, given back when no DataOffer let it try.
         self.tcp_probe: float | None = None
         self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
         self.chunk_ids = chunk_ids
