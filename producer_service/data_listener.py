@@ -52,9 +52,10 @@ MAX_HANDSHAKES = 64
 HANDSHAKE_TIMEOUT_S = 5.0
 # Kept connections waiting for their consumer's next ticket.
 MAX_IDLE = 1024
-# The most file descriptors the listener holds at once: its socket and wake-up pair, the
-# handshakes in progress and the kept connections (a connection a Fetch took is that call's).
-DESCRIPTORS = 3 + MAX_HANDSHAKES + MAX_IDLE
+# The most file descriptors the listener holds at once: its socket, wake-up pair and selector,
+# the handshakes in progress and the kept connections (a connection a Fetch took is that
+# call's).
+DESCRIPTORS = 4 + MAX_HANDSHAKES + MAX_IDLE
 IDLE_TIMEOUT_S = 60.0
 # How often the listener thread looks at `stop`, and the event loop at idle connections that
 # timed out (while there are any).

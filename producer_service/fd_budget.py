@@ -10,6 +10,10 @@ would let silent or leaked connections, or lent buffers, lock every new client o
 EMFILE while grpc keeps retrying `accept`. The soft limit is raised to what is needed when the
 hard limit allows it (an unprivileged process may), and a hard limit that is too low is a
 configuration error naming each part.
+
+The shm socket's lends are the one part sized to fit: up to 4,096, fewer where the hard limit
+leaves less room (4,096 is a common hard limit outside containers, and the defaults with both
+transports on would need 7,500), but at least one per shm connection.
 """
 
 from __future__ import annotations
@@ -23,17 +27,32 @@ from .config_values import ConfigError
 
 # Descriptors the process needs besides one per client connection.
 MARGIN = 64
+# The fewest lends the shm socket takes when the limit is tight: one per connection.
+MIN_LENDS = shm_lending.DEFAULT_MAX_CONNECTIONS
 
 
-def descriptors_needed(config: ProducerConfig) -> dict[str, int]:
-    """The most descriptors each part may hold at once, by the key that bounds it or turns it
-    on."""
+def descriptors_needed(
+    config: ProducerConfig, lends: int = shm_lending.DEFAULT_MAX_LENDS
+) -> dict[str, int]:
+    """The most descriptors each part may hold at once (the shm socket with `lends`), by the
+    key that bounds it or turns it on."""
     parts = {"max_connections": config.max_connections + MARGIN}
     if config.data_address is not None:
         parts["data_listen"] = data_listener.DESCRIPTORS + config.max_concurrent_rpcs
     if config.shm_socket:
-        parts["shm_socket"] = shm_lending.DESCRIPTORS
+        parts["shm_socket"] = shm_lending.descriptors(lends)
     return parts
+
+
+def lends_within_limit(config: ProducerConfig) -> int:
+    """The lends the shm socket takes: DEFAULT_MAX_LENDS, or what the hard limit leaves after
+    every other part, but never fewer than MIN_LENDS (a limit that low is `check_fd_budget`'s
+    error)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return shm_lending.DEFAULT_MAX_LENDS
+    room = hard - sum(descriptors_needed(config, lends=0).values())
+    return max(MIN_LENDS, min(shm_lending.DEFAULT_MAX_LENDS, room))
 
 
 def check_fd_budget(parts: Mapping[str, int]) -> int:

@@ -30,14 +30,14 @@ from .config import ProducerConfig
 from .credentials import Credentials, load_credentials
 from .data_listener import DataListener
 from .data_threads import DataThreads
-from .fd_budget import check_fd_budget, descriptors_needed
+from .fd_budget import check_fd_budget, descriptors_needed, lends_within_limit
 from .idle_trim import IdleHeapTrim
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
 from .metrics import ProducerMetrics
 from .pool import HostPool
 from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
-from .shm_lending import ShmLendingServer
+from .shm_lending import DEFAULT_MAX_LENDS, ShmLendingServer
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -143,11 +143,19 @@ class ProducerServer:
         self.data_port = 0
         self._data_address = ""
         self.shm: ShmLendingServer | None = None
+        self._shm_lends = DEFAULT_MAX_LENDS  # fitted to the descriptor limit at start
         self._stopped = asyncio.Event()
 
     # ---------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        check_fd_budget(descriptors_needed(self.config))
+        self._shm_lends = lends_within_limit(self.config)
+        check_fd_budget(descriptors_needed(self.config, self._shm_lends))
+        if self.config.shm_socket and self._shm_lends < DEFAULT_MAX_LENDS:
+            log.warning(
+                "the shm socket takes %d lends at once, not %d: the descriptor limit "
+                "(ulimit -Hn) leaves no room for more",
+                self._shm_lends, DEFAULT_MAX_LENDS,
+            )  # fmt: skip
         interceptors = [self._auth] if self._auth else []
         self._warn_half_protected(interceptors)
         server = grpc.aio.server(
@@ -206,7 +214,9 @@ class ProducerServer:
             data_address = str(Address(advertised.host, self.data_port)) if advertised else ""
             data_address = data_address or f":{self.data_port}"
         if c.shm_socket:
-            self.shm = ShmLendingServer(c.shm_socket, self.epoch, self._refuse_lend)
+            self.shm = ShmLendingServer(
+                c.shm_socket, self.epoch, self._refuse_lend, max_lends=self._shm_lends
+            )
             self.shm.start()
         self.servicer.offer(data=self.data, data_address=data_address, shm=self.shm)
         self._data_address = data_address

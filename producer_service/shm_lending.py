@@ -49,13 +49,21 @@ log = logging.getLogger(LOGGER_NAME)
 
 DEFAULT_MAX_LEND_BYTES = 64 * 1024**3
 DEFAULT_MAX_CONNECTIONS = 256
-# Lends held at once over all connections. Each holds a descriptor (Python's mmap keeps its own
-# duplicate), so this bounds them below what max_connections times the per-connection limit
-# would allow (16,384), and the producer's descriptor budget counts it (fd_budget.py).
+# Lends mapped at once over all connections. Each holds a descriptor (Python's mmap keeps its
+# own duplicate), so this bounds them below what max_connections times the per-connection
+# limit would allow (16,384); the producer's descriptor budget counts them and takes fewer
+# where the descriptor limit is tight (fd_budget.py).
 DEFAULT_MAX_LENDS = 4096
-# The most descriptors the lending server holds at once with its defaults: its socket and
-# wake-up pair, its connections and every lend's mapping.
-DESCRIPTORS = 3 + DEFAULT_MAX_CONNECTIONS + DEFAULT_MAX_LENDS
+# The server's own descriptors: its socket, its wake-up pair and its selector.
+_OWN_DESCRIPTORS = 4
+
+
+def descriptors(max_lends: int) -> int:
+    """The most descriptors a lending server with `max_lends` and the default connection limit
+    holds at once: its own, its connections and every lend's mapping."""
+    return _OWN_DESCRIPTORS + DEFAULT_MAX_CONNECTIONS + max_lends
+
+
 SOCKET_MODE = 0o660
 # A lend carries one descriptor; room for a few more so that extras are received (and closed)
 # rather than silently dropped by the kernel with MSG_CTRUNC.
@@ -78,10 +86,19 @@ class LentBuffer:
     the lend ends cannot be closed, so it is left for the last reference to unmap.
     """
 
-    def __init__(self, lend_id: str, role: str, mapping: mmap.mmap) -> None:
+    def __init__(
+        self,
+        lend_id: str,
+        role: str,
+        mapping: mmap.mmap,
+        on_unmapped: Callable[[], None] = lambda: None,
+    ) -> None:
         self.lend_id = lend_id
         self.role = role
         self.nbytes = len(mapping)
+        # Told once the mapping (and the descriptor it holds) is gone, which may be after the
+        # lend ended: a copy still running keeps it.
+        self._on_unmapped = on_unmapped
         self._lock = threading.Lock()
         self._mmap: mmap.mmap | None = mapping
         self._view: memoryview | None = memoryview(mapping)
@@ -162,8 +179,10 @@ class LentBuffer:
             mapping.close()
         except BufferError:
             # A slice or array of the view outlived acquire(): closing now would pull memory
-            # from under it, so the mapping goes when the last of them is collected.
+            # from under it, so the mapping goes when the last of them is collected (soon,
+            # and never counted again: only a defect leaves such a slice behind).
             pass
+        self._on_unmapped()
 
     def __repr__(self) -> str:
         state = "ended" if self._closed else "lent"
@@ -217,6 +236,7 @@ class ShmLendingServer:
         self._max_lend_bytes = max_lend_bytes
         self._max_connections = max_connections
         self._max_total_lends = max_lends
+        self._mappings = 0  # lends mapped now, ended or not (under _lock): one descriptor each
         self._message_timeout_s = message_timeout_s
         self._lock = threading.Lock()  # guards _lends: the gRPC handlers read it
         self._lends: dict[str, LentBuffer] = {}
@@ -486,8 +506,10 @@ class ShmLendingServer:
             return _refusal(refused)
         if len(conn.lends) >= self._max_lends:
             return _refusal(f"this connection already holds {self._max_lends} lends, the most")
+        # Counted as mapped, not as lent: a lend that ended keeps its mapping (and descriptor)
+        # while a copy still uses it.
         with self._lock:
-            held = len(self._lends)
+            held = self._mappings
         if held >= self._max_total_lends:
             return _refusal(
                 f"the producer holds {held} lends, the most it takes (each costs it a file "
@@ -496,7 +518,9 @@ class ShmLendingServer:
         mapped = self._map(fds[0], role)
         if isinstance(mapped, str):
             return _refusal(mapped)
-        lent = LentBuffer(secrets.token_hex(16), role, mapped)
+        with self._lock:
+            self._mappings += 1
+        lent = LentBuffer(secrets.token_hex(16), role, mapped, self._unmapped)
         conn.lends[lent.lend_id] = lent
         with self._lock:
             self._lends[lent.lend_id] = lent
@@ -504,6 +528,10 @@ class ShmLendingServer:
             target=_prefault, args=(lent,), name="kvpark-prefault", daemon=True
         ).start()
         return {"ok": True, "lend_id": lent.lend_id, "nbytes": lent.nbytes}
+
+    def _unmapped(self) -> None:
+        with self._lock:
+            self._mappings -= 1
 
     def _map(self, fd: int, role: str) -> mmap.mmap | str:
         """The producer's mapping of a lent descriptor, or why it is refused."""

@@ -175,7 +175,11 @@ class ProducerProcess:
     log: list[str] = field(default_factory=list)
 
 
-def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
+def start_producer_process(
+    tmp_path: Path, limits: Callable[[], None] | None = None, **overrides: Any
+) -> ProducerProcess:
+    """`python -m kvpark.producer` with the test settings and `overrides`, ready to serve;
+    `limits` runs in the child before it starts (e.g. to lower a resource limit)."""
     port, metrics_port = free_port(), free_port()
     settings = {
         **TEST_SETTINGS,
@@ -188,8 +192,9 @@ def start_producer_process(tmp_path: Path, **overrides: Any) -> ProducerProcess:
         args += [f"--{key.replace('_', '-')}", str(value)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
-    )
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        preexec_fn=limits,
+    )  # fmt: skip
     target = str(Address.parse(str(settings["listen"])).dialable())
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:

@@ -420,9 +420,11 @@ async def test_kept_connections_are_served_while_every_handshake_slot_is_taken()
 
 
 def test_a_connection_kept_for_an_address_no_longer_used_is_closed_by_any_next_use() -> None:
-    """A connection kept for one producer is closed once idle past the limit when the client
-    next uses any address, not only when it loads from that producer again: a decode worker
-    whose producer left the fleet must not hold its connections half-closed for ever."""
+    """A connection kept for one data address is closed once idle past the limit when the
+    client next uses any address, not only that one again: a client whose producer moved to
+    another address (a restart elsewhere, a Service in front of several) does not hold the
+    old connections half-closed for ever. (A pool's client of a producer that left the fleet
+    gets no more loads; the pool closes that client when it has been idle.)"""
     pairs = [socket.socketpair() for _ in range(2)]
     try:
         (gone, _), (other, _) = pairs

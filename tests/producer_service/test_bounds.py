@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from conftest import MiB, ProducerProcess, park_requests, wait_for
+from conftest import MiB, ProducerProcess, park_requests, start_producer_process, wait_for
 
 from kvpark import KVConsumer, KVParker, TransportError
 from kvpark.pb import kvpark_pb2 as pb
@@ -359,6 +359,45 @@ def test_the_descriptor_budget_counts_the_data_listener_and_the_shm_socket(tmp_p
         capture_output=True, text=True, timeout=60, preexec_fn=low_limit, cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
-    for part in ("max_connections 164", "data_listen", "shm_socket", "1500"):
+    # 64 handshakes, 1,024 kept connections, the listener's own 4 and 100 calls in flight; the
+    # shm socket's own 4, 256 connections and (the limit leaving no more) 256 lends.
+    for part in ("max_connections 164", "data_listen 1192", "shm_socket 516", "is 1500"):
         assert part in run.stderr, (part, run.stderr)
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
+    tmp_path: Any,
+) -> None:
+    """A hard limit of 4,096 (common outside containers) is below what the defaults with both
+    transports on would need with 4,096 lends. The producer takes as many lends as the limit
+    leaves room for, says so, and serves every transport."""
+
+    def common_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+
+    producer = start_producer_process(
+        tmp_path, limits=common_limit, data_listen="127.0.0.1:0",
+        shm_socket=str(tmp_path / "shm.sock"),
+    )  # fmt: skip
+    try:
+        socket_path = str(tmp_path / "shm.sock")
+        with (
+            KVParker(producer.target) as parker,
+            KVConsumer(producer.target, transport="tcp") as over_tcp,
+            KVConsumer(producer.target, transport="shm", shm_socket=socket_path) as over_shm,
+        ):
+            for kid in ("t", "s"):
+                assert parker.park(kid, [bytes(range(256)) * 16]).ok
+            loaded = over_tcp.load("t", num_chunks=1)
+            into = over_shm.shared_buffer(4096)
+            lent = over_shm.load("s", num_chunks=1, into=into)
+        assert (loaded.ok, loaded.transport, lent.ok, lent.transport) == (
+            True, "tcp", True, "shm"
+        ), (loaded, lent)  # fmt: skip
+    finally:
+        producer.proc.terminate()
+        output = producer.proc.communicate(timeout=30)[0]
+    # 4,096 less 1,064 (1,000 connections and the margin), 2,092 (the data listener and 1,000
+    # calls in flight) and 260 (the shm socket's own and its connections)
+    assert "the shm socket takes 680 lends at once, not 4096" in output, output

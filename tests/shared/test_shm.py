@@ -391,6 +391,27 @@ def test_lends_over_all_connections_are_bounded(start_server: Any, lenders: Any)
         assert server.get(second.lend(buffer, "fetch"), "fetch") is not None
 
 
+def test_a_lend_that_ended_counts_while_a_copy_still_holds_its_mapping(
+    start_server: Any, lenders: Any
+) -> None:
+    """The limit counts mappings (each holds a descriptor), not lends: a lend whose client
+    went away while a copy still uses it keeps its mapping until the copy ends, and is
+    counted until then."""
+    server = start_server(max_lends=1)
+    first, second = lenders(server, "fetch"), lenders(server, "fetch")
+    with SharedBuffer(MiB) as buffer:
+        lent = server.get(first.lend(buffer, "fetch"), "fetch")
+        assert lent is not None
+        with lent.acquire():  # a copy into it is running
+            first.close()
+            wait_for(lambda: lent.closed, what="the lend to end with its connection")
+            assert lent.mapped
+            with pytest.raises(ShmRefused, match="holds 1 lends"):
+                second.lend(buffer, "fetch")
+        assert not lent.mapped  # the copy ended: unmapped, its descriptor closed
+        assert server.get(second.lend(buffer, "fetch"), "fetch") is not None
+
+
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
     server = start_server(max_lends_per_connection=2, max_lend_bytes=2 * MiB)
     lender = lenders(server, "fetch")
