@@ -42,6 +42,7 @@ from kvpark import (
     wire,
 )
 from kvpark.checksum import crc32c_of
+from kvpark.client._tcp import RETRY_AFTER_S
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender
 from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_header, recv_payload
@@ -549,19 +550,26 @@ async def test_a_data_port_that_drops_connects_costs_a_load_a_bounded_try() -> N
     assert results[1].elapsed_s < 1.0, results[1]  # its attempt had 0.5 s, not its budget
 
 
-async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used_by_all(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """After a failed data connection, TCP is left out for RETRY_AFTER_S (the client's clock
-    is stepped here instead of waited on); then one load tries it, and once a connection is
-    accepted every load uses TCP again."""
+@pytest.fixture
+def client_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """How far the client's clock is stepped past the real one ([seconds], 0 at first): the
+    TCP pause is stepped over instead of waited out."""
     from kvpark.client import _core
 
-    ahead = [0.0]  # how far the client's clock has been stepped past the real one
+    ahead = [0.0]
     monotonic = time.monotonic
     monkeypatch.setattr(
         _core, "time", type("Clock", (), {"monotonic": lambda: monotonic() + ahead[0]})
     )
+    return ahead
+
+
+async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used_by_all(
+    client_clock: list[float],
+) -> None:
+    """After a failed data connection, TCP is left out for RETRY_AFTER_S (the client's clock
+    is stepped here instead of waited on); then one load tries it, and once a connection is
+    accepted every load uses TCP again."""
     registry = CollectorRegistry()
     with dropping_port() as port:
         async with running_producer(**SETTINGS) as server:
@@ -583,7 +591,7 @@ async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used
                     seen = [load(0)]  # fails over; TCP paused
                     server.servicer.offer(data=data, data_address=working, shm=None)
                     seen.append(load(1))  # within the pause: not tried
-                    ahead[0] += _core.RETRY_AFTER_S
+                    client_clock[0] += RETRY_AFTER_S
                     seen.append(load(2))  # the pause is over: this load tries, and gets in
                     seen.append(load(3))  # the path works: used again at once
                     return seen
@@ -595,20 +603,13 @@ async def test_after_a_pause_one_load_tries_tcp_again_and_a_working_path_is_used
 
 
 async def test_the_turn_after_the_pause_passes_on_only_when_no_data_offer_came(
-    monkeypatch: pytest.MonkeyPatch,
+    client_clock: list[float],
 ) -> None:
     """After the pause, the load whose turn it is to try TCP may never get to: its id was
     released, so the answer comes at once with no DataOffer. The next load then tries
     instead (here against the port that still drops connects, with too little time to blame
     the path: a second fallback). A load that did try keeps the pause whatever came of it, so
     the one after it leaves TCP alone, even now that the path works."""
-    from kvpark.client import _core
-
-    ahead = [0.0]  # how far the client's clock has been stepped past the real one
-    monotonic = time.monotonic
-    monkeypatch.setattr(
-        _core, "time", type("Clock", (), {"monotonic": lambda: monotonic() + ahead[0]})
-    )
     registry = CollectorRegistry()
     with dropping_port() as port:
         async with running_producer(**SETTINGS) as server:
@@ -627,7 +628,7 @@ async def test_the_turn_after_the_pause_passes_on_only_when_no_data_offer_came(
 
                     server.servicer.offer(data=data, data_address=f"127.0.0.1:{port}", shm=None)
                     seen = [load("q0")]  # fails over; TCP paused
-                    ahead[0] += _core.RETRY_AFTER_S
+                    client_clock[0] += RETRY_AFTER_S
                     seen.append(load("gone"))  # its turn to try: no DataOffer comes
                     # So this one tries, for a quarter of its 0.4 s: too short to blame the
                     # path, but it spent the time, so the pause stays.
