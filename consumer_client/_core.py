@@ -322,7 +322,7 @@ class ClientCore:
 
     def accept_transports(self) -> tuple[tuple[pb.Transport, ...], float | None]:
         """What a Fetch offers to take, best first (the producer picks what it has), and
-        `tcp_turn`'s pause when this load is the one that tries TCP again. TCP goes in when it
+        `_tcp_turn`'s pause when this load is the one that tries TCP again. TCP goes in when it
         can work: over TLS only with `data_tls`, since the channel's credentials cannot be
         reused for a plain socket."""
         if self.transport == "grpc":
@@ -339,8 +339,8 @@ class ClientCore:
         """Whether this load may offer TCP. After a data connection failed, no load does for
         RETRY_AFTER_S, then one load per RETRY_AFTER_S tries it, until one gets through: a data
         port that a firewall drops would otherwise cost every load its connect attempt. The
-        load that tries gets the pause it set (a float): `end_load` gives it back when the load
-        learnt nothing of the path."""
+        load that tries gets the pause it set (a float): `end_load` gives it back when no
+        DataOffer let the load try."""
         with self._lock:
             now = time.monotonic()
             if now < self._tcp_down_until:
