@@ -13,7 +13,7 @@ configuration error naming each part.
 
 The shm socket's lends are the one part sized to fit: up to 4,096, fewer where the hard limit
 leaves less room (4,096 is a common hard limit outside containers, and the defaults with both
-transports on would need 7,500), but at least one per shm connection.
+transports on would need 7,512), but at least one per shm connection.
 """
 
 from __future__ import annotations

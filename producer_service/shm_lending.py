@@ -26,6 +26,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,9 +180,10 @@ class LentBuffer:
             mapping.close()
         except BufferError:
             # A slice or array of the view outlived acquire(): closing now would pull memory
-            # from under it, so the mapping goes when the last of them is collected (soon,
-            # and never counted again: only a defect leaves such a slice behind).
-            pass
+            # from under it, so the mapping (and its descriptor) goes when the last of them
+            # is collected, and only then is it no longer counted.
+            weakref.finalize(mapping, self._on_unmapped)
+            return
         self._on_unmapped()
 
     def __repr__(self) -> str:
@@ -427,8 +429,10 @@ class ShmLendingServer:
             self._drop(conn)
             return
         conn.fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
-            self._protocol_error(conn, "more descriptors than a lend carries")
+        # A lend carries one descriptor; more, even spread over a message trickled a byte at
+        # a time, would pile up beyond the descriptor budget until the message completes.
+        if flags & socket.MSG_CTRUNC or len(conn.fds) > 1:
+            self._protocol_error(conn, "a lend carries exactly one descriptor, this one more")
             return
         if not data:
             self._drop(conn)  # the client closed: its lends end

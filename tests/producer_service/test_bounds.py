@@ -31,6 +31,7 @@ from conftest import MiB, ProducerProcess, park_requests, start_producer_process
 from kvpark import KVConsumer, KVParker, TransportError
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.shm import SharedBuffer, ShmLender, ShmRefused
 
 IDLE_S = 1.0  # park_idle_timeout_s and fetch_stall_timeout_s of the producers below
 SETTINGS: dict[str, Any] = {
@@ -392,6 +393,7 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
             loaded = over_tcp.load("t", num_chunks=1)
             into = over_shm.shared_buffer(4096)
             lent = over_shm.load("s", num_chunks=1, into=into)
+            made = _lends_until_refused(socket_path)  # besides the one `into` holds
         assert (loaded.ok, loaded.transport, lent.ok, lent.transport) == (
             True, "tcp", True, "shm"
         ), (loaded, lent)  # fmt: skip
@@ -401,3 +403,26 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
     # 4,096 less 1,064 (1,000 connections and the margin), 2,092 (the data listener and 1,000
     # calls in flight) and 260 (the shm socket's own and its connections)
     assert "the shm socket takes 680 lends at once, not 4096" in output, output
+    assert made == 679, made
+
+
+def _lends_until_refused(socket_path: str) -> int:
+    """Lends one small buffer over and over (64 lends per connection, the most) until the
+    producer refuses for its total; how many it took."""
+    made = 0
+    with SharedBuffer(4096) as buffer:
+        lenders: list[ShmLender] = []
+        try:
+            while True:
+                if made % 64 == 0:
+                    lenders.append(ShmLender(socket_path, None, 5.0))
+                    lenders[-1].connect()
+                try:
+                    lenders[-1].lend(buffer, "fetch")
+                except ShmRefused as refused:
+                    assert "lends, the most it takes" in str(refused), refused
+                    return made
+                made += 1
+        finally:
+            for lender in lenders:
+                lender.close()

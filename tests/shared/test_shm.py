@@ -338,10 +338,12 @@ def test_unsuitable_descriptors_are_refused_and_closed(
     two = (memfd(MiB, both), memfd(MiB, both))
     answer = raw_request(sock, {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]}, two)
     assert "exactly one descriptor" in answer["error"]
+    assert is_closed(sock)  # more than one is a protocol error: it ends the connection
     for fd in two:
         os.close(fd)
-    # Every descriptor the producer received (its own copies) was closed again.
-    assert open_fd_count() == before
+    # Every descriptor the producer received (its own copies) was closed again, and so was
+    # its end of the connection.
+    wait_for(lambda: open_fd_count() == before - 1, what="the producer's copies closed")
     assert server.lend_count == 0
     sock.close()
 
@@ -408,8 +410,28 @@ def test_a_lend_that_ended_counts_while_a_copy_still_holds_its_mapping(
             assert lent.mapped
             with pytest.raises(ShmRefused, match="holds 1 lends"):
                 second.lend(buffer, "fetch")
-        assert not lent.mapped  # the copy ended: unmapped, its descriptor closed
+        # The copy ended; the new lend's prefault may still hold the mapping a moment.
+        wait_for(lambda: not lent.mapped, what="the mapping (and its descriptor) to go")
         assert server.get(second.lend(buffer, "fetch"), "fetch") is not None
+
+
+def test_descriptors_trickled_with_one_message_end_the_connection(start_server: Any) -> None:
+    """A client that sends a message a byte at a time, a descriptor with each byte, would make
+    the server hold every one of them until the message completes (5 s), past its descriptor
+    budget. The second descriptor of a message ends the connection, and the server closes
+    what it received."""
+    server = start_server()
+    before = open_fd_count()
+    sock = raw_connection(server.path)
+    with open(os.devnull, "rb") as spare:
+        sock.sendall(LENGTH.pack(1000))  # a message of 1,000 bytes begins
+        for piece in (b"{", b" "):
+            assert socket.send_fds(sock, [piece], [spare.fileno()]) == 1
+        answer = read_answer(sock)
+    assert answer["ok"] is False and "exactly one descriptor" in answer["error"], answer
+    assert is_closed(sock)
+    sock.close()
+    wait_for(lambda: open_fd_count() == before, what="the received descriptors closed")
 
 
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
