@@ -353,8 +353,9 @@ class ClientCore:
     def _tcp_turn_unused(self, pause_until: float) -> None:
         """The load whose turn it was to try TCP again never got to try: no DataOffer came
         (its id was gone, the producer picked another transport). The next load tries at once
-        rather than after another RETRY_AFTER_S over the gRPC stream. A load that did try
-        keeps the pause, whatever the outcome: its connect spent the time the pause saves."""
+        rather than after another RETRY_AFTER_S over the gRPC stream. A load that got a
+        DataOffer keeps the pause whatever came of it: it connected and spent the time the
+        pause saves (or, rarely, had no time left to connect, and the next try waits)."""
         with self._lock:
             if self._tcp_failed and self._tcp_down_until == pause_until:
                 self._tcp_down_until = 0.0
@@ -369,7 +370,7 @@ class ClientCore:
         """The load over the gRPC stream, after its shm or tcp path failed before the first
         byte (counted in the metrics; a failed data connection also pauses TCP)."""
         if why.transport == "tcp":
-            session.tcp_probe = None  # it tried: the turn is used (see `_tcp_turn_unused`)
+            session.tcp_probe = None  # a DataOffer came: the turn is used (`_tcp_turn_unused`)
         if why.transport == "tcp" and why.path_failed:
             with self._lock:
                 self._tcp_failed = True

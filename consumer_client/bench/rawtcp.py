@@ -14,6 +14,7 @@ thread of the caller's.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -114,10 +115,16 @@ def peer_main(argv: Sequence[str]) -> int:
     answering = threading.Lock()
 
     def send(sock: socket.socket, offset: int, nbytes: int, chunk: int) -> None:
-        for start in range(offset, offset + nbytes, chunk):
-            sock.sendall(view[start : min(offset + nbytes, start + chunk)])
+        answer = "sent"
+        try:
+            for start in range(offset, offset + nbytes, chunk):
+                sock.sendall(view[start : min(offset + nbytes, start + chunk)])
+        except OSError as exc:  # the receiver sees the connection end at once, and why here
+            answer = f"failed: {exc!r}"
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         with answering:
-            print("sent", flush=True)
+            print(answer, flush=True)
 
     try:
         for i, sock in enumerate(socks):
