@@ -343,7 +343,7 @@ def test_unsuitable_descriptors_are_refused_and_closed(
         os.close(fd)
     # Every descriptor the producer received (its own copies) was closed again, and so was
     # its end of the connection.
-    wait_for(lambda: open_fd_count() == before - 1, what="the producer's copies closed")
+    wait_for(lambda: open_fd_count() <= before - 1, what="the producer's copies closed")
     assert server.lend_count == 0
     sock.close()
 
@@ -431,7 +431,7 @@ def test_descriptors_trickled_with_one_message_end_the_connection(start_server: 
     assert answer["ok"] is False and "exactly one descriptor" in answer["error"], answer
     assert is_closed(sock)
     sock.close()
-    wait_for(lambda: open_fd_count() == before, what="the received descriptors closed")
+    wait_for(lambda: open_fd_count() <= before, what="the received descriptors closed")
 
 
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
