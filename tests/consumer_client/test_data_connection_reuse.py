@@ -424,7 +424,7 @@ def test_a_connection_kept_for_an_address_no_longer_used_is_closed_by_any_next_u
     client next uses any address, not only that one again: a client whose producer moved to
     another address (a restart elsewhere, a Service in front of several) does not hold the
     old connections half-closed for ever. (A pool's client of a producer that left the fleet
-    gets no more loads; the pool closes that client when it has been idle.)"""
+    gets no more loads: another client's use closes its connections, see the next test.)"""
     pairs = [socket.socketpair() for _ in range(2)]
     try:
         (gone, _), (other, _) = pairs
@@ -435,6 +435,27 @@ def test_a_connection_kept_for_an_address_no_longer_used_is_closed_by_any_next_u
         expiring.give("producer-that-left", other)
         expiring.give("another-producer", pairs[0][1])
         assert other.fileno() == -1  # giving to another address expires it too
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_another_clients_use_closes_what_a_client_with_no_loads_keeps_too_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool's client of a producer that left the fleet gets no loads of its own: the next
+    use of any other client in the process closes its connections idle past the limit."""
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        (departed_conn, _), (live_conn, _) = pairs
+        departed = _data_connections.DataConnections(idle_s=0.0)
+        departed.give("producer-that-left", departed_conn)
+        live = _data_connections.DataConnections()
+        monkeypatch.setattr(_data_connections, "_next_sweep", 0.0)  # a sweep is due
+        live.give("producer-still-here", live_conn)
+        assert departed_conn.fileno() == -1 and departed.idle("producer-that-left") == 0
+        assert live.take("producer-still-here") is live_conn  # not expired: kept
     finally:
         for a, b in pairs:
             a.close()
