@@ -249,7 +249,9 @@ async def test_a_restarted_producer_gets_shared_memory_again(shm_socket: str) ->
 
     def park_and_load(kid: str) -> tuple[bool, str]:
         with KVParker(listen, transport="grpc") as parker:
-            assert parker.park(kid, pattern(2)).ok
+            # Right after the restart grpc may still be backing off from the old connection
+            # (channels to one address share it): park once the producer is reached.
+            wait_for(lambda: parker.park(kid, pattern(2)).ok, what=f"{kid!r} parked")
         result = consumer.load(kid, num_chunks=2, into=landing)
         return result.ok, result.transport
 
