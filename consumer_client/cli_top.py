@@ -16,10 +16,12 @@ refresh. Ctrl-C, `q` and the end of `--count` end it; the terminal's settings ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
 import shutil
+import signal
 import sys
 import termios
 import time
@@ -226,19 +228,36 @@ def _state_lines(snapshot: Snapshot) -> list[str]:
 # ------------------------------------------------------------------------------ terminal
 class Keys:
     """Keys typed while `top` runs, when stdin is a terminal: cbreak mode for the run (no echo,
-    no Enter needed; Ctrl-C still interrupts), the saved settings restored after it."""
+    no Enter needed; Ctrl-C still interrupts), the saved settings restored after it.
+
+    A wait also ends when a signal arrives. The kernel may hand Ctrl-C's SIGINT to any thread
+    of the process, grpc's included, and Python raises KeyboardInterrupt in the main thread
+    only once that thread runs again: a wait that watched only the terminal would sleep on
+    until the interval ends. `signal.set_wakeup_fd` makes every signal Python handles write a
+    byte into a pipe the wait watches too."""
 
     def __init__(self, stdin: TextIO | None) -> None:
         self.fd: int | None = None
         if stdin is not None and not stdin.closed and stdin.isatty():
             self.fd = stdin.fileno()
         self._saved: list[Any] | None = None
+        self._signals: tuple[int, int] | None = None  # the wake-up pipe's (read, write) ends
+        self._previous_wakeup = -1
 
     @property
     def active(self) -> bool:
         return self.fd is not None
 
     def __enter__(self) -> Keys:
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+            self._signals = (read_end, write_end)
+        except ValueError:  # not the main thread: signals reach no handler here anyway
+            os.close(read_end)
+            os.close(write_end)
         if self.fd is not None:
             self._saved = termios.tcgetattr(self.fd)
             tty.setcbreak(self.fd)
@@ -250,16 +269,30 @@ class Keys:
     ) -> None:  # fmt: skip
         if self.fd is not None and self._saved is not None:
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+        if self._signals is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            for end in self._signals:
+                os.close(end)
+            self._signals = None
 
     def wait(self, until: float) -> str | None:
-        """Waits until the monotonic time `until` or a key, whichever comes first; returns the
-        keys typed (None: none)."""
+        """Waits until the monotonic time `until`, a key or a signal, whichever comes first;
+        returns the keys typed (None: none). After a signal, its handler runs next (Ctrl-C:
+        KeyboardInterrupt)."""
         remaining = max(0.0, until - time.monotonic())
-        if self.fd is None:
+        watched = [] if self.fd is None else [self.fd]
+        if self._signals is not None:
+            watched.append(self._signals[0])
+        if not watched:
             time.sleep(remaining)
             return None
-        ready, _, _ = select.select([self.fd], [], [], remaining)
-        if not ready:
+        ready, _, _ = select.select(watched, [], [], remaining)
+        if self._signals is not None and self._signals[0] in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._signals[0], 64):
+                    pass
+            return None
+        if not ready or self.fd is None:
             return None
         data = os.read(self.fd, 64)
         if not data:  # the terminal went away: from now on only the interval counts

@@ -4,12 +4,14 @@ Ctrl-C, the terminal restored), and through pipes (blocks, JSON lines, a dead pr
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -174,6 +176,32 @@ def test_top_ends_cleanly_on_ctrl_c_and_q(
         term.frame(1)
         assert not term.settings_restored()  # cbreak while it runs: keys without Enter
         term.type(key)
+        assert term.exit_code() == cli.EXIT_OK
+        assert "Traceback" not in term.output
+        assert term.settings_restored()
+    finally:
+        term.close()
+
+
+# tgkill(2), which sends a signal to one thread of another process (Python has no call for it).
+TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(TGKILL is None, reason="tgkill's system call number is not known here")
+def test_top_ends_at_once_when_ctrl_c_reaches_another_thread(
+    producer_process: Callable[..., ProducerProcess],
+) -> None:
+    """The kernel may hand the SIGINT of a Ctrl-C to any thread of the process, e.g. one of
+    grpc's; the main thread, waiting for a key or the 300-s interval, must still end now."""
+    producer = producer_process()
+    term = Terminal([*KVPARK, "top", "--target", producer.target, "--interval", "300"])
+    try:
+        term.frame(1)
+        pid = term.proc.pid
+        others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+        assert others, "grpc's threads run beside the main one"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(TGKILL, pid, others[0], signal.SIGINT) == 0, ctypes.get_errno()
         assert term.exit_code() == cli.EXIT_OK
         assert "Traceback" not in term.output
         assert term.settings_restored()
