@@ -10,6 +10,8 @@ starving the rest.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import resource
 import signal
@@ -31,6 +33,7 @@ from conftest import MiB, ProducerProcess, park_requests, start_producer_process
 from kvpark import KVConsumer, KVParker, TransportError
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer import servicer
 from kvpark.shm import SharedBuffer, ShmLender, ShmRefused
 
 IDLE_S = 1.0  # park_idle_timeout_s and fetch_stall_timeout_s of the producers below
@@ -245,47 +248,45 @@ def test_silent_connections_are_dropped_within_the_handshake_timeout(producer_pr
 
 
 # ============================================================================ big id lists
-_LOOKUP_LOOP = textwrap.dedent(
-    """
-    import sys, time
-    import grpc
-    from kvpark.pb import kvpark_pb2 as pb, kvpark_pb2_grpc as pb_grpc
-    ids = [f"id-{i:06d}" for i in range(1000)]
-    with grpc.insecure_channel(sys.argv[1]) as channel:
-        stub = pb_grpc.KVProducerStub(channel)
-        request = pb.LookupRequest(kv_request_ids=ids)
-        deadline = time.monotonic() + float(sys.argv[2])
-        while time.monotonic() < deadline:
-            stub.Lookup(request, timeout=10)
-    """
-)
-
-
-def test_large_lookups_cannot_stall_an_honest_call(producer_process: Any) -> None:
-    """Two clients (processes of their own) looping 1000-id Lookups: an honest Lookup stays
-    within a few milliseconds of its idle latency, and a longer list is refused."""
+def test_a_lookup_of_the_most_ids_is_served_and_a_longer_one_refused(producer_process: Any) -> None:
     producer = producer_process(**SETTINGS)
-    with KVConsumer(producer.target) as honest:
-        idle_ms = lookup_p50_ms(honest)
-        loops = [
-            subprocess.Popen([sys.executable, "-c", _LOOKUP_LOOP, producer.target, "4"])
-            for _ in range(2)
-        ]
-        try:
-            time.sleep(0.5)  # let both loops get going
-            during_ms = lookup_p50_ms(honest, n=50)
-        finally:
-            for loop in loops:
-                loop.wait(30)
-    ids = [f"id-{i:06d}" for i in range(1001)]
+    ids = [f"id-{i:06d}" for i in range(servicer.MAX_IDS_PER_CALL + 1)]
     with grpc.insecure_channel(producer.target) as channel:
+        stub = pb_grpc.KVProducerStub(channel)
+        most = stub.Lookup(pb.LookupRequest(kv_request_ids=ids[:-1]), timeout=10)
+        assert [s.kv_request_id for s in most.states] == ids[:-1]
+        assert {s.state for s in most.states} == {pb.STATE_UNKNOWN}
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.KVProducerStub(channel).Lookup(pb.LookupRequest(kv_request_ids=ids))
+            stub.Lookup(pb.LookupRequest(kv_request_ids=ids), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    print(f"\nlarge lookups: honest lookup p50 {idle_ms:.2f} -> {during_ms:.2f} ms")
-    # Here 0.6-0.8 ms idle, 2.5-5 ms beside the loops (3 processes on 2 cores); a 10k-id list
-    # served at once used to cost an honest call ~250 ms.
-    assert during_ms < idle_ms + 10
+    assert str(servicer.MAX_IDS_PER_CALL) in (err.value.details() or "")
+
+
+async def test_a_long_id_list_lets_other_calls_run_between_its_slices() -> None:
+    """A Lookup or KeepAlive of many ids (~10 us of the event loop each) checks and serves
+    them in slices and yields the loop before each next one: an honest call waiting behind it
+    is delayed by one slice, not by the whole list."""
+    ids = [f"id-{i:06d}" for i in range(servicer.MAX_IDS_PER_CALL)]
+    turns = 0
+
+    async def another_call() -> None:  # one step each time the event loop gets to it
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(another_call())
+    await asyncio.sleep(0)
+    try:
+        before_check = turns
+        assert await servicer._valid_ids(None, ids) == ids  # valid ids never need the context
+        slices = len(ids) // servicer.IDS_PER_SLICE
+        assert turns - before_check >= slices - 1
+        served = [(len(part), turns) async for part in servicer._in_slices(ids)]
+    finally:
+        other.cancel()
+    assert [n for n, _ in served] == [servicer.IDS_PER_SLICE] * slices
+    assert all(later > earlier for (_, earlier), (_, later) in itertools.pairwise(served))
 
 
 # ============================================================================== dead peers
