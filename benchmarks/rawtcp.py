@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpark.client.bench.rawtcp import receive_into
+
 from . import data
 from .env import start_child, stop_child
 
@@ -51,7 +53,6 @@ class RawTcpPair:
             listener.close()
         self._conn.settimeout(60)
         self._dest = np.empty(nbytes, dtype=np.uint8)
-        self._view = memoryview(self._dest)  # type: ignore[arg-type]
 
     @property
     def peer_pid(self) -> int:
@@ -61,19 +62,14 @@ class RawTcpPair:
         """Seconds to move repetition `rep`'s window in `chunk`-byte sends, bytes verified.
         `cpu` is started and stopped around the transfer alone."""
         nbytes = self._nbytes
-        dest, view, conn = self._dest, self._view, self._conn
+        dest, conn = self._dest, self._conn
         dest.fill(0)  # touched, and nothing left over from the previous repetition
         expected = data.window(self._source, rep, nbytes)
         if cpu is not None:
             cpu.start()
         started = time.perf_counter()
         _command(self._peer, f"send {rep * data.REP_SHIFT} {nbytes} {chunk}")
-        received = 0
-        while received < nbytes:
-            n = conn.recv_into(view[received:], min(chunk, nbytes - received))
-            if n == 0:
-                raise RuntimeError("raw TCP peer closed the connection early")
-            received += n
+        receive_into(conn, dest, chunk)
         seconds = time.perf_counter() - started
         _expect(self._peer, "sent")  # the peer's last sendall has returned
         if cpu is not None:

@@ -73,9 +73,9 @@ class RawTcp:
         self.peer.stdin.flush()
         if threads is None:
             ((_, dest),) = windows
-            _receive(self._conns[0], dest, chunk)
+            receive_into(self._conns[0], dest, chunk)
         else:
-            receiving = [threads.submit(_receive, self._conns[i], dest, chunk)
+            receiving = [threads.submit(receive_into, self._conns[i], dest, chunk)
                          for i, (_, dest) in enumerate(windows)]  # fmt: skip
             for done in receiving:
                 done.result()
@@ -93,11 +93,13 @@ class RawTcp:
 
 def _index(conn: socket.socket) -> int:
     index = bytearray(_INDEX_BYTES)
-    _receive(conn, index, _INDEX_BYTES)
+    receive_into(conn, index, _INDEX_BYTES)
     return int.from_bytes(index, "big")
 
 
-def _receive(conn: socket.socket, dest: payload.U8 | bytearray, chunk: int) -> None:
+def receive_into(conn: socket.socket, dest: payload.U8 | bytearray, chunk: int) -> None:
+    """Fills `dest` from `conn` in reads of at most `chunk` bytes, as a plain Python receiver
+    would (the lab's raw TCP baseline reads the same way)."""
     view, nbytes = memoryview(dest), len(dest)  # type: ignore[arg-type]
     received = 0
     while received < nbytes:
