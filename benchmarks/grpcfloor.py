@@ -16,6 +16,10 @@ array as the fetch does. Methods of the service, requests and answers are plain 
                            are (no per-send copy in Python); any other request is refused.
     Late     unary-stream  exactly one small message, the server's `time.time()` at handler
                            entry: the late call of acceptfloor.py.
+    Exchange unary-stream  two small messages, the shape of a TCP fetch's call (its DataOffer,
+                           then its TransferDone): the per-call cost of callfloor.py.
+    Session  stream-stream the same two messages for every request of one long call: what a
+                           load would cost as one exchange on a call kept open (callfloor.py).
 
 The server process prints `{"port": N}` when it listens and stops when its stdin closes.
 `FloorClient.load` has the shape of clients.Loader (the prepared request stands for the id), so
@@ -41,6 +45,10 @@ SERVICE = "benchfloor.Floor"
 PREPARE = f"/{SERVICE}/Prepare"
 STREAM = f"/{SERVICE}/Stream"
 LATE = f"/{SERVICE}/Late"
+EXCHANGE = f"/{SERVICE}/Exchange"
+SESSION = f"/{SERVICE}/Session"
+# A fetch's DataOffer and TransferDone, as Exchange and Session answer each request.
+OFFER, DONE = b"offer", b"done"
 # Bounds the helper's start-up: it builds its copy of the pattern (about 2 s for 580 MB here).
 READY_TIMEOUT_S = 60.0
 # Cutting 580 MB into messages takes well under a second; this only bounds a server that hangs.
@@ -84,6 +92,19 @@ class _Floor:
     async def late(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         yield repr(time.time()).encode()
 
+    async def exchange(
+        self, request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        yield OFFER
+        yield DONE
+
+    async def session(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            yield OFFER
+            yield DONE
+
     def handler(self) -> grpc.GenericRpcHandler:
         # No (de)serializers: requests and messages are bytes as they are.
         return grpc.method_handlers_generic_handler(
@@ -92,6 +113,8 @@ class _Floor:
                 "Prepare": grpc.unary_unary_rpc_method_handler(self.prepare),
                 "Stream": grpc.unary_stream_rpc_method_handler(self.stream),
                 "Late": grpc.unary_stream_rpc_method_handler(self.late),
+                "Exchange": grpc.unary_stream_rpc_method_handler(self.exchange),
+                "Session": grpc.stream_stream_rpc_method_handler(self.session),
             },
         )
 
