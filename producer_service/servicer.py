@@ -526,7 +526,10 @@ class KVProducerServicer:
     def _stalled(self, binding: FetchBinding, kid: str, context: Any) -> None:
         """A chunk's write has not completed for fetch_stall_timeout_s: the consumer is not
         reading. Its id goes back to where it was with a fresh timer: PARKED with a lease, or
-        DELIVERED with a grace."""
+        DELIVERED with a grace. Once per Fetch: a gRPC write's watchdog may have cut it off
+        already when the stream then reports the stall."""
+        if not binding.active:
+            return
         self._lot.stall_fetch(binding)
         self._warnings.warn(
             "stalled_fetch",

@@ -104,15 +104,25 @@ class GrpcStream:
     transport = pb.TRANSPORT_GRPC
     whole_batches = False
 
-    def __init__(self, context: Any, stall_s: float, on_stall: Any) -> None:
+    def __init__(self, context: Any, stall_s: float, on_stall: Callable[[], None]) -> None:
         self._context = context
         self._stall_s = stall_s
         self._on_stall = on_stall
+        self._cut_off = False
+
+    def _stalled(self) -> None:
+        self._cut_off = True
+        self._on_stall()
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         for step in chunks:
+            if self._cut_off:
+                # The watchdog gave the id back while an earlier write of this batch waited:
+                # a Release and a new Park may since have put another id's bytes in these
+                # pages, so not one more view of the batch is read.
+                raise Stalled
             frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
-            await write_watched(self._context, frame, self._stall_s, self._on_stall)
+            await write_watched(self._context, frame, self._stall_s, self._stalled)
 
     async def finish(self) -> None:
         pass

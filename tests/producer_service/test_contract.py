@@ -361,6 +361,37 @@ async def test_a_consumer_that_reads_nothing_is_cut_off_and_the_id_kept() -> Non
                 stalled.cancel()
 
 
+async def test_a_consumer_cut_off_mid_batch_gets_no_later_chunk_of_it() -> None:
+    """A stall cut off while the first of a batch's chunks waits gives the id back, so its
+    pages may be freed and parked into before the consumer reads again. When it does, it
+    gets the chunk whose write was waiting and then the call's end: never a chunk read from
+    those pages afterwards (here the next id's bytes)."""
+    async with running_producer(
+        fetch_stall_timeout_s=0.5, unbound_store_timeout_s=30, max_chunk_bytes=MiB
+    ) as server:
+        async with stub_for(server) as stub:
+            # 1 MiB chunks: the first batch (4 MiB) holds four of them.
+            await park(stub, "x", {i: b"\x11" * MiB for i in range(8)}, total=8)
+            async with grpc.aio.insecure_channel(
+                server.target, options=[*channel_options(), ("grpc.http2.bdp_probe", 0)]
+            ) as reader:
+                stalled = pb_grpc.KVProducerStub(reader).Fetch(pb.FetchRequest(kv_request_id="x"))
+                await wait_until(
+                    lambda: server.lot.statistics().stalled_fetches_total == 1,
+                    what="the stalled fetch to be cut off",
+                )
+                released = await stub.Release(pb.ReleaseRequest(kv_request_id="x"))
+                assert released.status == pb.STATUS_OK
+                await park(stub, "y", {i: b"\xee" * MiB for i in range(8)}, total=8)
+                received = []
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    async for message in stalled:
+                        received.append(message.chunk)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert [(c.chunk_id, c.data) for c in received] == [(0, b"\x11" * MiB)]
+        server.lot.check_invariants()
+
+
 # ============================================================================= registration
 def test_handlers_have_the_shapes_the_contract_declares() -> None:
     """Every method is registered with the streaming shape of the .proto (Fetch a server
