@@ -221,8 +221,11 @@ class TcpReceiver:
         """Reads every frame into the session's destination. CONTINUE: read the gRPC stream
         on for the outcome; ABANDON: the session gave up (cancel the call). Raises Fallback
         before the first byte, BufferTooSmallError as `place` does."""
-        remaining = session.remaining_s()
-        share = CONNECT_TIMEOUT_S if remaining is None else remaining * OUT_OF_BAND_SHARE
+        # The first limit the load meets: no chunk has come yet, so a first-chunk limit
+        # counts too, and a data port that does not answer leaves it time for the stream.
+        limits = [s for s in (session.remaining_s(), session.first_chunk_remaining_s())
+                  if s is not None]  # fmt: skip
+        share = min(limits) * OUT_OF_BAND_SHARE if limits else CONNECT_TIMEOUT_S
         sock = self._connect(min(CONNECT_TIMEOUT_S, share))
         ended = False  # the end frame came: the connection is idle and may be kept
         bounded = cast(socket.socket, _Bounded(sock, session))
@@ -243,9 +246,9 @@ class TcpReceiver:
                 step = session.landed(chunk_id, crc32c, parts, nbytes, landed_crc)
                 if step is not Step.CONTINUE:
                     return step
-        except TimeoutError:
+        except _ReadTimedOut:
             return session.give_up(Reason.TIMEOUT, "load timeout on the data connection")
-        except (OSError, FrameError):
+        except (_ReadFailed, FrameError):
             if self._aborted:
                 return Step.ABANDON
             # The producer broke the connection (it failed the transfer, or died): the gRPC
@@ -290,17 +293,33 @@ class _Bounded:
         first = session.first_chunk_deadline
         if first is not None and session.chunks_loaded == 0 and (bound is None or first < bound):
             bound = first
-        if bound is not None:
-            now = time.monotonic()
-            if bound != self._bound or now - self._set_at > self.RESET_S:
-                if now >= bound:
-                    raise TimeoutError("load deadline passed")
-                self._sock.settimeout(bound - now)
-                self._bound, self._set_at = bound, now
-        elif self._bound is not None or self._set_at == -math.inf:
-            self._sock.settimeout(None)
-            self._bound, self._set_at = None, 0.0
-        return self._sock.recv_into(view)
+        try:
+            if bound is not None:
+                now = time.monotonic()
+                if bound != self._bound or now - self._set_at > self.RESET_S:
+                    if now >= bound:
+                        raise TimeoutError("load deadline passed")
+                    self._sock.settimeout(bound - now)
+                    self._bound, self._set_at = bound, now
+            elif self._bound is not None or self._set_at == -math.inf:
+                self._sock.settimeout(None)
+                self._bound, self._set_at = None, 0.0
+            return self._sock.recv_into(view)
+        except TimeoutError as exc:
+            raise _ReadTimedOut(str(exc)) from exc
+        except OSError as exc:
+            raise _ReadFailed(str(exc)) from exc
+
+
+# The data connection's own failures, apart from an OSError or TimeoutError raised by the
+# caller's code that runs between reads (an `into` callable, `on_chunk`): those reach the
+# caller as on the gRPC stream, not taken for a broken connection or the load's timeout.
+class _ReadTimedOut(Exception):
+    """A read of the data connection reached the load's bound."""
+
+
+class _ReadFailed(Exception):
+    """A read of the data connection failed: the producer closed or reset it, or it broke."""
 
 
 def _until(deadline: float) -> Callable[[], float]:

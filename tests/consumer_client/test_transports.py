@@ -194,6 +194,39 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
         server.lot.check_invariants()
 
 
+@pytest.mark.parametrize("error", [OSError(28, "no space left"), TimeoutError("queue full")])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+async def test_what_on_chunk_raises_reaches_the_caller_on_every_transport(
+    transport: str, error: Exception, shm_socket: str
+) -> None:
+    """The caller's own OSError or TimeoutError from `on_chunk` is raised to it as it was,
+    whatever carries the bytes: not taken for a broken data connection or the load's
+    timeout. The id keeps its bytes for the next load."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+
+        def run() -> Any:
+            def refuse_the_second(index: int, chunk_id: int, view: Any) -> None:
+                if chunk_id == 1:
+                    raise error
+
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                data = chunks(3, seed=5)
+                assert parker.park("cb", data).ok
+                with pytest.raises(type(error)) as raised:
+                    c.load("cb", num_chunks=3, into=destination(c, transport, 3),
+                           on_chunk=refuse_the_second, timeout=5)  # fmt: skip
+                assert raised.value is error
+                return c.load("cb", num_chunks=3, into=destination(c, transport, 3)), data
+
+        again, data = await in_thread(run)
+        assert again.ok and again.transport == transport, again
+        assert again.data.tobytes() == joined(data)
+        server.lot.check_invariants()
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_a_load_cut_off_before_its_first_byte_names_the_transport_it_waited_on(
     transport: str, shm_socket: str
@@ -548,6 +581,25 @@ async def test_a_data_port_that_drops_connects_costs_a_load_a_bounded_try() -> N
     # The first two loads tried the data connection; the second one's failure paused it.
     assert tcp_fallbacks(registry) == 2
     assert results[1].elapsed_s < 1.0, results[1]  # its attempt had 0.5 s, not its budget
+
+
+async def test_a_data_port_that_drops_leaves_a_first_chunk_limit_time_for_grpc() -> None:
+    """A load's first-chunk limit bounds its try of the data connection as its total does:
+    a quarter of 0.8 s, not the connect's own 1 s, so the gRPC stream still brings the first
+    chunk in time."""
+    with dropping_port() as port:
+        async with running_producer(**SETTINGS) as server:
+            server.servicer.offer(data=server.data, data_address=f"127.0.0.1:{port}", shm=None)
+
+            def run() -> Any:
+                with KVParker(server.target) as parker:
+                    assert parker.park("f", chunks(1, seed=9)).ok
+                with KVConsumer(server.target) as c:
+                    return c.load("f", num_chunks=1, timeout=Timeout(10, first_chunk_s=0.8))
+
+            result = await in_thread(run)
+            server.lot.check_invariants()
+    assert (result.ok, result.transport) == (True, "grpc"), result
 
 
 @pytest.fixture
