@@ -16,6 +16,7 @@ import inspect
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -136,6 +137,9 @@ class AsyncKVConsumer(ClientBase):
         self._stub: Any = None
         self._fetch: Any = None
         self._background: set[asyncio.Task[Any]] = set()
+        # The keep-alives this client started, ended by aclose (held weakly: a keep-alive
+        # dropped by its caller is no business of the client's).
+        self._keep_alives: weakref.WeakSet[AsyncKeepAlive] = weakref.WeakSet()
         self._threads = ThreadPoolExecutor(MAX_LOAD_THREADS, thread_name_prefix="kvpark-load")
 
     # ---------------------------------------------------------------------------- lifecycle
@@ -148,6 +152,8 @@ class AsyncKVConsumer(ClientBase):
         if confirms:  # before closing: they need the channel
             await asyncio.wait(confirms, timeout=CONFIRM_FLUSH_S)
         self._core.closed = True
+        for keep_alive in list(self._keep_alives):
+            keep_alive.client_closed()
         tasks = list(self._background)
         for task in tasks:
             task.cancel()
@@ -291,7 +297,9 @@ class AsyncKVConsumer(ClientBase):
         runs when returned. `async with client.keep_alive(ids) as ka: ...`, and `ka.add()` /
         `ka.discard()` as the queue changes; `await ka.stop()` or leaving the block stops it."""
         self._core.check_open()
-        return AsyncKeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
+        keep_alive = AsyncKeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
+        self._keep_alives.add(keep_alive)
+        return keep_alive
 
     # -------------------------------------------------------------------------------- loads
     async def load(
@@ -327,8 +335,18 @@ class AsyncKVConsumer(ClientBase):
             on_chunk=on_chunk,
             started=time.monotonic(),  # a wait for a thread is part of the load's time
         )
-        session = await asyncio.get_running_loop().run_in_executor(self._threads, begin)
+        session = await self._begun(begin)
         return await self._run(session, confirm)
+
+    async def _begun(self, begin: Callable[[], LoadSession]) -> LoadSession:
+        """`begin()` on a load thread: ClientClosedError, as every call of a closed client
+        raises, once aclose has shut those threads down."""
+        self._core.check_open()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, begin)
+        except RuntimeError:  # "cannot schedule new futures after shutdown": closed meanwhile
+            self._core.check_open()
+            raise
 
     async def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
@@ -456,7 +474,7 @@ class AsyncKVConsumer(ClientBase):
             policy=policy,
             started=time.monotonic(),  # a wait for a thread is part of the load's time
         )
-        session = await asyncio.get_running_loop().run_in_executor(self._threads, begin)
+        session = await self._begun(begin)
         result = await self._run(session, confirm)
         first = self._core.plan_fallback(result, policy)
         value: Any = None

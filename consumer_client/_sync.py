@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +126,9 @@ class KVConsumer(ClientBase):
         self._confirmer: ThreadPoolExecutor | None = None
         self._first_chunk_alarms = Alarms()
         self._pending: set[futures.Future[None]] = set()
+        # The keep-alives this client started, ended by its close (held weakly: a keep-alive
+        # dropped by its caller is no business of the client's).
+        self._keep_alives: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
 
     # ---------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -141,6 +145,8 @@ class KVConsumer(ClientBase):
             channel, self._channel = self._channel, None
         if confirmer is not None:
             confirmer.shutdown(wait=False, cancel_futures=True)
+        for keep_alive in list(self._keep_alives):
+            keep_alive.client_closed()
         self._core.shm.close()
         self._core.data_connections.close()
         self._first_chunk_alarms.close()
@@ -281,7 +287,9 @@ class KVConsumer(ClientBase):
         `ka.add()` / `ka.discard()` as the queue changes; `ka.stop()` or leaving the block
         stops it."""
         self._core.check_open()
-        return KeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
+        keep_alive = KeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
+        self._keep_alives.add(keep_alive)
+        return keep_alive
 
     # -------------------------------------------------------------------------------- loads
     def load(

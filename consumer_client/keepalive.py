@@ -10,7 +10,7 @@ id not committed yet, KeepAlive records an intent its first commit's lease honou
     async with client.keep_alive(queued_ids) as ka:  # async: a task on the running loop
 
 A keep-alive runs from the moment `keep_alive()` returns it (there is no unstarted state that
-would silently do nothing); leaving the block, `stop()`, or closing the client ends it.
+would silently do nothing); leaving the block, `stop()`, or closing the client ends it at once.
 
 Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
 `unbound_store_timeout_s`); the default interval is a third of the shortest lease the producer
@@ -192,6 +192,11 @@ class KeepAlive(_KeepAliveBase):
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def client_closed(self) -> None:
+        """Called by the client's close: the loop ends now, not at its next round (with no
+        id in the set it would never make the call that finds the client closed)."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Stops the loop and waits for it (at most one KeepAlive call). Idempotent."""
         self._stop.set()
@@ -242,6 +247,10 @@ class AsyncKeepAlive(_KeepAliveBase):
     @property
     def running(self) -> bool:
         return not self._task.done()
+
+    def client_closed(self) -> None:
+        """As `KeepAlive.client_closed`, on the loop's thread (aclose runs there)."""
+        self._stop.set()
 
     async def stop(self) -> None:
         """Stops the loop and waits for it. Idempotent."""

@@ -107,3 +107,40 @@ async def test_keep_alive_survives_an_unreachable_producer_and_stops_on_close() 
         AsyncKVConsumer("h:1").keep_alive(["bad\nid"])
     with pytest.raises(UsageError):
         AsyncKVConsumer("h:1").keep_alive(["x"], interval_s=0)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_closing_the_client_ends_its_keep_alives_at_once(flavour: str) -> None:
+    """A keep-alive started with no ids yet (the decode queue still empty) and a long
+    interval makes no call that could find its client closed: the close itself ends it, well
+    before its next round (an hour away)."""
+    async with running_producer() as server:
+        if flavour == "sync":
+
+            def run() -> tuple[bool, bool]:
+                client = KVConsumer(server.target)
+                ka = client.keep_alive(interval_s=3600)
+                threads = [t for t in threading.enumerate() if t.name == "kvpark-keepalive"]
+                client.close()
+                threads[0].join(timeout=10)
+                return ka.running, threads[0].is_alive()
+
+            running, alive = await in_thread(run)
+            assert not running and not alive
+        else:
+            client = AsyncKVConsumer(server.target)
+            ka = client.keep_alive(interval_s=3600)
+            (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "kvpark-keepalive"]
+            await client.aclose()
+            await asyncio.wait_for(task, timeout=10)
+            assert not ka.running and task.exception() is None
+
+
+async def test_an_async_load_after_aclose_raises_client_closed_as_every_call_does() -> None:
+    async with running_producer() as server:
+        client = AsyncKVConsumer(server.target)
+        await client.aclose()
+        with pytest.raises(ClientClosedError):
+            await client.load("x", num_chunks=1)
+        with pytest.raises(ClientClosedError):
+            await client.load_or_recompute("x", num_chunks=1, recompute=lambda first: None)
