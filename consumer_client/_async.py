@@ -15,7 +15,6 @@ import functools
 import inspect
 import logging
 import ssl
-import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -321,7 +320,7 @@ class AsyncKVConsumer(ClientBase):
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
-        timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
+        started = await aread_info_before_lending(self._core, self.server_info, timeout, into)
         # Off the event loop: lending a shared buffer can wait on the shm socket.
         begin = functools.partial(
             self._core.begin_load,
@@ -333,7 +332,7 @@ class AsyncKVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
-            started=time.monotonic(),  # a wait for a thread is part of the load's time
+            started=started,  # the read above and a wait for a thread are part of the load
         )
         session = await self._begun(begin)
         return await self._run(session, confirm)
@@ -459,7 +458,7 @@ class AsyncKVConsumer(ClientBase):
         redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
-        timeout = await aread_info_before_lending(self._core, self.server_info, timeout)
+        started = await aread_info_before_lending(self._core, self.server_info, timeout, into)
         # Off the event loop: lending a shared buffer can wait on the shm socket.
         begin = functools.partial(
             self._core.begin_load,
@@ -472,7 +471,7 @@ class AsyncKVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
             policy=policy,
-            started=time.monotonic(),  # a wait for a thread is part of the load's time
+            started=started,  # the read above and a wait for a thread are part of the load
         )
         session = await self._begun(begin)
         result = await self._run(session, confirm)

@@ -447,32 +447,40 @@ class ClientBase:
 
 
 def read_info_before_lending(
-    core: ClientCore, server_info: Callable[..., Any], timeout: TimeoutArg
-) -> TimeoutArg:
-    """One ServerInfo call when `core.lends_blind()`, inside the call's own limits: it may take
-    no longer than the first chunk may, and what it took comes off the call's timeout, which
-    is returned. A producer that cannot be reached is left for the call to report, as a
-    value."""
-    if not core.lends_blind():
-        return timeout
-    limits = resolve(timeout, core.timeout)
+    core: ClientCore, server_info: Callable[..., Any], timeout: TimeoutArg, into: Any = None
+) -> float:
+    """One ServerInfo call when `core.lends_blind()`, inside the call's own limits (see
+    `_info_read_limit`). Returns when the call began, so that the call's deadlines and its
+    elapsed time count the read. A producer that cannot be reached is left for the call to
+    report, as a value."""
     started = time.monotonic()
-    with contextlib.suppress(RPCError):
-        server_info(timeout=limits.first_limit_s())
-    return limits.after(time.monotonic() - started)
+    if core.lends_blind():
+        with contextlib.suppress(RPCError):
+            server_info(timeout=_info_read_limit(core, timeout, into))
+    return started
 
 
 async def aread_info_before_lending(
-    core: ClientCore, server_info: Callable[..., Awaitable[Any]], timeout: TimeoutArg
-) -> TimeoutArg:
+    core: ClientCore,
+    server_info: Callable[..., Awaitable[Any]],
+    timeout: TimeoutArg,
+    into: Any = None,
+) -> float:
     """As `read_info_before_lending`, for the async clients."""
-    if not core.lends_blind():
-        return timeout
-    limits = resolve(timeout, core.timeout)
     started = time.monotonic()
-    with contextlib.suppress(RPCError):
-        await server_info(timeout=limits.first_limit_s())
-    return limits.after(time.monotonic() - started)
+    if core.lends_blind():
+        with contextlib.suppress(RPCError):
+            await server_info(timeout=_info_read_limit(core, timeout, into))
+    return started
+
+
+def _info_read_limit(core: ClientCore, timeout: TimeoutArg, into: Any) -> float | None:
+    """The longest the ServerInfo read before lending may take: no longer than the call's
+    first chunk may, nor than a load of `into` may in all (its size-scaled budget)."""
+    limits = resolve(timeout, core.timeout)
+    size = None if into is None else destination_for(into).capacity
+    bounds = [b for b in (limits.first_limit_s(), limits.budget_s(size)) if b is not None]
+    return min(bounds, default=None)
 
 
 # ------------------------------------------------------------------------ unary messages

@@ -311,7 +311,7 @@ class KVConsumer(ClientBase):
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
-        timeout = read_info_before_lending(self._core, self.server_info, timeout)
+        started = read_info_before_lending(self._core, self.server_info, timeout, into)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -321,6 +321,7 @@ class KVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            started=started,
         )
         return self._run(session, confirm)
 
@@ -431,7 +432,7 @@ class KVConsumer(ClientBase):
         everything); with `policy="fail"`, LoadFailedError and nothing recomputed. The report
         says which path was taken (remote, partial, recompute) and why."""
         check_policy(policy, recompute)
-        timeout = read_info_before_lending(self._core, self.server_info, timeout)
+        started = read_info_before_lending(self._core, self.server_info, timeout, into)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -442,6 +443,7 @@ class KVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
             policy=policy,
+            started=started,
         )
         result = self._run(session, confirm)
         first = self._core.plan_fallback(result, policy)

@@ -32,8 +32,6 @@ from ._errors import UsageError
 
 GiB = 1024**3
 DEFAULT_LOAD_TIMEOUT_S = 30.0
-# What is left of a limit that ran out before the call began: it then fails at once.
-_LEAST_S = 0.001
 # An out-of-band path's set-up (lending a buffer over the shm socket; connecting to the data
 # port) gets at most this share of what is left of a load's limit, so that when the path does
 # not answer the load still has most of its time for the gRPC stream.
@@ -87,19 +85,6 @@ class Timeout:
     def first_limit_s(self) -> float | None:
         """The earliest of the limits a call meets first: the first chunk's, else the total."""
         return self.first_chunk_s if self.first_chunk_s is not None else self.total_s
-
-    def after(self, spent_s: float) -> Timeout:
-        """These limits, `spent_s` seconds later (each limit kept above zero)."""
-
-        def left(limit: float | None) -> float | None:
-            return None if limit is None else max(_LEAST_S, limit - spent_s)
-
-        return Timeout(
-            total_s=left(self.total_s),
-            first_chunk_s=left(self.first_chunk_s),
-            base_s=max(0.0, self.base_s - spent_s) if self.per_gib_s is not None else 0.0,
-            per_gib_s=self.per_gib_s,
-        )
 
     def budget_s(self, nbytes: int | None = None) -> float | None:
         """Seconds a load of `nbytes` may take in all (None: size unknown / unbounded)."""

@@ -21,8 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
-from conftest import park, running_producer, stub_for
+from conftest import MiB, park, running_producer, stub_for
 
 from kvpark import AsyncKVConsumer, KVConsumer, KVParker, Reason, Timeout, TransportError
 from kvpark.client import USE_CLIENT_DEFAULT, ClientClosedError
@@ -215,19 +216,37 @@ def test_rule_a_number_means_that_many_seconds_in_all(frozen: FrozenProducer) ->
 
 
 @pytest.mark.parametrize(
-    ("timeout", "limit_s"), [(1.0, 1.0), (Timeout(4.0, first_chunk_s=0.5), 0.5)]
+    ("timeout", "limit_s"),
+    [
+        (1.0, 1.0),
+        (Timeout(4.0, first_chunk_s=0.5), 0.5),
+        # The size-scaled budget of a 1 MiB load: 0.3 s + 1/1024 s.
+        (Timeout(4.0, base_s=0.3, per_gib_s=1.0), 0.3 + 1 / 1024),
+    ],
 )
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_the_epoch_read_before_a_first_lend_is_inside_the_loads_own_limits(
-    frozen: FrozenProducer, timeout: Timeout | float, limit_s: float
+    frozen: FrozenProducer, timeout: Timeout | float, limit_s: float, flavour: str
 ) -> None:
     """A load that would lend a shared buffer first reads the producer's epoch; that read
-    counts against the load's own limits (the first chunk's, else the total), it is not
-    extra time on top of them."""
-    with KVConsumer(frozen.target, transport="shm") as client:
-        started = time.monotonic()
-        result = client.load("x", num_chunks=1, timeout=timeout)
-        assert result.reason is Reason.TIMEOUT
-        assert_within(time.monotonic() - started, limit_s)
+    counts against the load's own limits (the first chunk's, its size-scaled budget, else the
+    total) and in its elapsed time: it is not extra time on top of them."""
+    into = np.zeros(MiB, np.uint8)
+    started = time.monotonic()
+    if flavour == "sync":
+        with KVConsumer(frozen.target, transport="shm") as client:
+            result = client.load("x", num_chunks=1, into=into, timeout=timeout)
+    else:
+
+        async def load() -> Any:
+            async with AsyncKVConsumer(frozen.target, transport="shm") as client:
+                return await client.load("x", num_chunks=1, into=into, timeout=timeout)
+
+        result = asyncio.run(load())
+    elapsed = time.monotonic() - started
+    assert result.reason is Reason.TIMEOUT
+    assert_within(elapsed, limit_s)
+    assert result.elapsed_s >= limit_s - 0.05, result  # the read counted in the load's time
 
 
 def test_a_silent_shm_socket_costs_a_load_a_share_of_its_own_timeout() -> None:
