@@ -34,8 +34,9 @@ The long-lived tables (who adds, who removes, what cleans up leftovers):
   ended, or a later push for it, see `_Entry.timer_seq`) are skipped when popped and compacted
   when they outnumber live ids, so a reaper pass costs O(expired) and the queue stays O(ids).
 - `_delivered: id -> _Entry`, in delivery order. Added when a Fetch sent an id's last chunk;
-  removed when the id is confirmed, expires, is evicted (oldest first, under pool pressure),
-  released, or bound again for a repeat Fetch (added back, last, if that Fetch is cancelled).
+  removed when the id is confirmed, expires, is evicted (oldest first, under pool pressure) or
+  released. A repeat Fetch leaves the id in its place: eviction passes over it while it is
+  bound, a cancel leaves it where its delivery put it, and a completed repeat moves it last.
 - `_open_batches: ParkBatch -> None`. Added by `begin_park`; removed when the batch commits or
   is undone. The reaper undoes those silent for `park_idle_timeout_s`; shutdown undoes all.
 - `_tombstones: id -> _Tombstone`, insertion-ordered = time-ordered. Added when an id ends;
@@ -150,6 +151,9 @@ class _Entry:
     open_batches: list[ParkBatch] = field(default_factory=list)
     # Non-zero once every requested chunk was sent: names the delivery a consumer confirms.
     delivery_id: int = 0
+    # Pool pages the committed chunks hold, counted at the first delivery (no chunk is added
+    # after it): what evicting the id would give back.
+    pages: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -305,6 +309,10 @@ class Lot:
         self._intents: OrderedDict[str, float] = OrderedDict()
         self._intent_heap: list[tuple[float, str]] = []
         self._bound = 0
+        # Bound repeat Fetches: their ids stay in `_delivered` but are not DELIVERED meanwhile.
+        self._redelivering = 0
+        # Pages of the DELIVERED ids (bound ones excluded): all that eviction could free.
+        self._evictable_pages = 0
         # Bound ids that hold committed chunks (the rest are demands: Fetches before any
         # commit), kept so that statistics() costs O(1).
         self._bound_committed = 0
@@ -620,30 +628,47 @@ class Lot:
 
     def _reserve(self, nbytes: int) -> Reservation | None:
         reservation = self.pool.reserve(nbytes)
-        while reservation is None and self._evict_one_delivered():
+        if reservation is None and self._make_room(self.pool.pages_for(nbytes)):
             reservation = self.pool.reserve(nbytes)
         return reservation
 
     def _allocate(self, nbytes: int, reservation: Reservation | None) -> SlotHandle | None:
         handle = self.pool.allocate(nbytes, reservation)
-        while handle is None and self._evict_one_delivered():
+        if handle is None and self._make_room(self._free_pages_needed(nbytes, reservation)):
             handle = self.pool.allocate(nbytes, reservation)
         return handle
 
     def _store(self, data: memoryview, reservation: Reservation | None) -> SlotHandle | None:
         handle = self.pool.store(data, reservation)
-        while handle is None and self._evict_one_delivered():
+        if handle is None and self._make_room(self._free_pages_needed(len(data), reservation)):
             handle = self.pool.store(data, reservation)
         return handle
 
-    def _evict_one_delivered(self) -> bool:
-        """Frees the oldest delivered id to make room; False when there is none. Parked and
-        bound ids are never evicted: only bytes their consumer already received."""
-        if not self._delivered:
+    def _free_pages_needed(self, nbytes: int, reservation: Reservation | None) -> int:
+        """Pages a chunk of `nbytes` takes from the free list: the pool fills it from the
+        batch's reservation first."""
+        reserved = len(reservation.pages) if reservation is not None and reservation.open else 0
+        return self.pool.pages_for(nbytes) - reserved
+
+    def _make_room(self, pages: int) -> bool:
+        """Evicts DELIVERED ids, oldest delivery first, until the pages they held and the free
+        ones come to `pages`. When even all of them would not, evicts none and returns False:
+        the request fails anyway, and each eviction costs a consumer its chance to confirm or
+        fetch again. Parked and bound ids are never evicted: only bytes their consumer already
+        received."""
+        short = pages - self.pool.free_bytes // self.pool.page_bytes
+        if short > self._evictable_pages:
             return False
-        entry = next(iter(self._delivered.values()))
-        self._end_entries((entry,), EVICTED, self.clock())
-        self.evicted_total += 1
+        victims = []
+        for entry in self._delivered.values():
+            if short <= 0:
+                break
+            if entry.binding is not None:
+                continue  # a repeat Fetch is streaming it: BOUND, so not evictable
+            victims.append(entry)
+            short -= entry.pages
+        self._end_entries(victims, EVICTED, self.clock())
+        self.evicted_total += len(victims)
         return True
 
     def _retry_after(self, now: float) -> float:
@@ -694,8 +719,6 @@ class Lot:
             wait = min(wait, wait_timeout_s)
         ttf = None if entry.committed_at is None else now - entry.committed_at
         redelivery = bool(entry.delivery_id)
-        if redelivery:
-            self._delivered.pop(kv_request_id, None)
         binding = FetchBinding(entry, requested, wait, now + wait, notify, now, ttf, redelivery)
         self._attach(entry, binding)
         return binding
@@ -764,6 +787,9 @@ class Lot:
         self._bound += 1
         if entry.committed_at is not None:
             self._bound_committed += 1
+        if binding.redelivery:
+            self._redelivering += 1
+            self._evictable_pages -= entry.pages
 
     def _unbind(self, entry: _Entry, binding: FetchBinding) -> None:
         binding.active = False
@@ -771,6 +797,9 @@ class Lot:
         self._bound -= 1
         if entry.committed_at is not None:
             self._bound_committed -= 1
+        if binding.redelivery:
+            self._redelivering -= 1
+            self._evictable_pages += entry.pages
 
     def _deliver(self, binding: FetchBinding) -> FetchEnd:
         """Every requested chunk was sent: the id is DELIVERED and keeps its bytes for the
@@ -780,10 +809,15 @@ class Lot:
         entry.delivery_id = secrets.randbits(64) or 1
         entry.deadline = self.clock() + self.settings.delivery_grace_s
         self._push_timer(entry)
-        self._delivered[entry.kv_request_id] = entry
-        self.delivered_total += 1
         if binding.redelivery:
+            self._delivered.move_to_end(entry.kv_request_id)  # now the newest delivery
             self.redelivered_total += 1
+        else:
+            pages_for = self.pool.pages_for
+            entry.pages = sum(pages_for(stored.handle.nbytes) for stored in entry.chunks.values())
+            self._delivered[entry.kv_request_id] = entry
+            self._evictable_pages += entry.pages
+        self.delivered_total += 1
         return FetchEnd(None, binding.chunks_sent, binding.bytes_sent, entry.delivery_id)
 
     def _end(self, binding: FetchBinding, refusal: Refusal) -> FetchEnd:
@@ -803,8 +837,6 @@ class Lot:
             s = self.settings
             span = s.delivery_grace_s if entry.delivery_id else s.unbound_store_timeout_s
             entry.deadline = max(entry.deadline, self.clock() + span)
-        if entry.delivery_id:
-            self._delivered[entry.kv_request_id] = entry
         if entry.deadline is not None:
             self._push_timer(entry)
         self._drop_if_idle(entry)
@@ -1021,8 +1053,8 @@ class Lot:
                 del by_id[kid]
                 if entry.committed_at is not None:
                     self._committed_ids -= 1
-            if entry.delivery_id:
-                delivered.pop(kid, None)
+            if entry.delivery_id and delivered.pop(kid, None) is not None:
+                self._evictable_pages -= entry.pages
             if intents:
                 intents.pop(kid, None)
             if kid in tombs:  # never for a live id; a new key is inserted at the end anyway
@@ -1080,7 +1112,7 @@ class Lot:
 
     # ========================================================================== Observability
     def statistics(self) -> LotStatistics:
-        delivered = len(self._delivered)
+        delivered = len(self._delivered) - self._redelivering
         return LotStatistics(
             parked_ids=self._committed_ids - delivered - self._bound_committed,
             bound_ids=self._bound,
@@ -1127,10 +1159,11 @@ class Lot:
             assert entry.chunks or entry.binding is not None or entry.open_batches, (
                 f"{kid!r} is idle"
             )
-            if kid in self._delivered:
-                assert entry.delivery_id and entry.binding is None
-            elif entry.delivery_id:
-                assert entry.binding is not None and entry.binding.redelivery
+            assert (kid in self._delivered) == bool(entry.delivery_id), f"{kid!r}: delivered?"
+            if entry.delivery_id:
+                pages = sum(self.pool.pages_for(s.handle.nbytes) for s in entry.chunks.values())
+                assert entry.pages == pages, f"{kid!r}: pages {entry.pages}, actual {pages}"
+                assert entry.binding is None or entry.binding.redelivery
             if entry.committed_at is not None:
                 assert entry.deadline is not None and entry.chunks
             for batch in entry.open_batches:
@@ -1144,6 +1177,10 @@ class Lot:
             assert self.pool.is_live(handle), "a slot being filled was freed under its thread"
             pending += handle.nbytes
         assert all(kid in self._entries for kid in self._delivered)
+        bound_delivered = [e for e in self._delivered.values() if e.binding is not None]
+        assert len(bound_delivered) == self._redelivering, "redelivering count is off"
+        evictable = sum(e.pages for e in self._delivered.values() if e.binding is None)
+        assert evictable == self._evictable_pages, "evictable pages are off"
         assert committed == self._parked_bytes >= 0, "parked bytes are off"
         assert pending == self._pending_bytes >= 0, "pending bytes are off"
         assert self.pool.statistics().stored_bytes == committed + pending, (

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1769,16 +1769,72 @@ def test_evicting_an_id_undoes_its_open_batch_evicted_and_wakes_it() -> None:
     rig.assert_stored(8 * PAGE)
 
 
-def test_a_cancelled_redelivery_goes_back_last_in_the_eviction_order() -> None:
+def test_a_cancelled_redelivery_keeps_its_place_in_the_eviction_order() -> None:
     rig = Rig(pool_pages=12)
-    for kid in ("a", "b", "p"):
+    for kid in ("old", "new", "p"):
         rig.parked(kid, four_pages(kid))
-    rig.deliver("a")
-    rig.deliver("b")
-    rig.lot.cancel_fetch(rig.bound("a"))  # a is now the newest delivery
+    rig.deliver("old")
+    rig.advance(1)
+    rig.deliver("new")
+    rig.lot.cancel_fetch(rig.bound("old"))  # back to DELIVERED: still the older delivery
     rig.parked("n", four_pages("n"))
-    assert_tombstoned(rig, "b", EVICTED)
+    assert_tombstoned(rig, "old", EVICTED)
+    assert rig.state("new").state == pb.STATE_DELIVERED
+    rig.check()
+
+
+def test_a_stalled_redelivery_keeps_its_place_in_the_eviction_order() -> None:
+    rig = Rig(pool_pages=12)
+    for kid in ("old", "new", "p"):
+        rig.parked(kid, four_pages(kid))
+    rig.deliver("old")
+    rig.deliver("new")
+    binding = rig.bound("old")
+    assert isinstance(rig.next(binding), tuple)
+    rig.lot.stall_fetch(binding)  # a fresh grace, but the delivery is as old as it was
+    rig.parked("n", four_pages("n"))
+    assert_tombstoned(rig, "old", EVICTED)
+    assert rig.state("new").state == pb.STATE_DELIVERED
+    rig.check()
+
+
+def test_a_completed_redelivery_is_the_newest_delivery() -> None:
+    rig = Rig(pool_pages=12)
+    for kid in ("old", "new", "p"):
+        rig.parked(kid, four_pages(kid))
+    rig.deliver("old")
+    rig.deliver("new")
+    rig.deliver("old")
+    rig.parked("n", four_pages("n"))
+    assert_tombstoned(rig, "new", EVICTED)
+    assert rig.state("old").state == pb.STATE_DELIVERED
+    rig.check()
+
+
+def test_a_park_that_eviction_cannot_fit_evicts_nothing() -> None:
+    rig = Rig(pool_pages=16)
+    rig.parked("p", four_pages("p"))
+    for kid in ("a", "b"):
+        rig.parked(kid, four_pages(kid))
+    a_delivery = rig.deliver("a")
+    rig.deliver("b")
+    redelivery = rig.bound("b")  # BOUND: its pages are not eviction's to free
+    # 4 free pages and a's 4 make 8: 9 cannot be had, by a reservation or by a chunk.
+    refused = assert_refused(rig.lot.begin_park("x", 0, 9 * PAGE), POOL_FULL)
+    assert refused.retry_after_s > 0
+    batch = rig.begin("y")
+    assert_refused(rig.send(batch, 0, blob("y", 0, 9 * PAGE)), POOL_FULL)
+    assert rig.stats().evicted_total == 0
     assert rig.state("a").state == pb.STATE_DELIVERED
+    rig.check()
+    # 8 pages can be had: a is evicted for them, and only a.
+    assert isinstance(rig.lot.begin_park("x", 0, 8 * PAGE), ParkBatch)
+    assert_tombstoned(rig, "a", EVICTED)
+    assert_refused(rig.lot.release("a", a_delivery), EVICTED)
+    assert rig.state("b").state == pb.STATE_BOUND
+    assert rig.stats().evicted_total == 1
+    assert redelivery.active
+    rig.check()
 
 
 # === Release =====================================================================================
@@ -2110,7 +2166,9 @@ class LotMachine(RuleBasedStateMachine):
         self.fetches: list[MFetch] = []  # bound Fetches, and failed ones not told yet
         self.tombs: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.intents: OrderedDict[str, float] = OrderedDict()
-        self.delivered: OrderedDict[str, None] = OrderedDict()  # eviction order
+        # Ids with a delivery, oldest delivery first: the eviction order. A repeat Fetch
+        # leaves its id in place; eviction passes over it while it is bound.
+        self.delivered: OrderedDict[str, None] = OrderedDict()
         self.delivery_ids: set[int] = set()
         self.totals = dict.fromkeys(TOTALS, 0)
         self.shutting_down = False
@@ -2130,13 +2188,26 @@ class LotMachine(RuleBasedStateMachine):
             used += b.reserved_pages + sum(pages(len(d)) for d in b.pending.values())
         return MODEL_POOL_PAGES - used
 
-    def make_room(self, fits: Callable[[], bool]) -> bool:
-        """Evicts delivered ids, oldest delivery first, until `fits()`; False if it never does."""
-        while not fits():
-            if not self.delivered:
-                return False
-            self.end(self.entries[next(iter(self.delivered))], EVICTED)
+    def delivered_ids(self) -> list[str]:
+        """DELIVERED ids (not bound again), oldest delivery first."""
+        return [kid for kid in self.delivered if self.entries[kid].fetch is None]
+
+    def make_room(self, free_pages_needed: int) -> bool:
+        """Evicts DELIVERED ids, oldest delivery first, until the pages their chunks held and
+        the free ones cover the need; evicts none and returns False if all of them would not."""
+        short = free_pages_needed - self.free_pages()
+        held = {
+            kid: sum(pages(len(d)) for d in self.entries[kid].chunks.values())
+            for kid in self.delivered_ids()
+        }
+        if short > sum(held.values()):
+            return False
+        for kid, kid_pages in held.items():
+            if short <= 0:
+                break
+            self.end(self.entries[kid], EVICTED)
             self.totals["evicted_total"] += 1
+            short -= kid_pages
         return True
 
     def next_deadline(self) -> float | None:
@@ -2249,7 +2320,7 @@ class LotMachine(RuleBasedStateMachine):
             expected = TOO_LARGE
         elif entry is not None and total and self.total_conflict(entry, total):
             expected = CHUNK_CONFLICT
-        elif batch_bytes and not self.make_room(lambda: pages(batch_bytes) <= self.free_pages()):
+        elif batch_bytes and not self.make_room(pages(batch_bytes)):
             expected = POOL_FULL
         opened = self.lot.begin_park(kid, total, batch_bytes)
         if expected is not None:
@@ -2293,7 +2364,7 @@ class LotMachine(RuleBasedStateMachine):
             expected = None if same == data else CHUNK_CONFLICT
         elif mb.stored_bytes + len(data) > self.s.max_batch_bytes:
             expected = TOO_LARGE
-        elif not self.make_room(lambda: pages(len(data)) <= mb.reserved_pages + self.free_pages()):
+        elif not self.make_room(pages(len(data)) - mb.reserved_pages):
             expected, retry_after = POOL_FULL, self.retry_after()
         if malformed:
             with pytest.raises(MalformedRequest, match="out of range"):
@@ -2415,7 +2486,6 @@ class LotMachine(RuleBasedStateMachine):
         assert (bound.time_to_fetch_s, bound.redelivery) == (ttf, redelivery)
         assert bound.wait_deadline == self.now + wait
         mf.binding, mf.wait_deadline, mf.entry.fetch = bound, self.now + wait, mf
-        self.delivered.pop(kid, None)
         self.fetches.append(mf)
 
     def next_chunk(self, mf: MFetch) -> int | None:
@@ -2460,7 +2530,8 @@ class LotMachine(RuleBasedStateMachine):
         entry.delivery_id = end.delivery_id
         entry.deadline = self.now + self.s.delivery_grace_s
         self.arm(entry)
-        self.delivered[entry.kid] = None
+        self.delivered.pop(entry.kid, None)
+        self.delivered[entry.kid] = None  # a completed repeat is the newest delivery
         self.totals["delivered_total"] += 1
         self.totals["redelivered_total"] += mf.redelivery
         self.fetches.remove(mf)
@@ -2473,8 +2544,6 @@ class LotMachine(RuleBasedStateMachine):
             s = self.s
             span = s.delivery_grace_s if entry.delivery_id else s.unbound_store_timeout_s
             entry.deadline = max(entry.deadline, self.now + span)
-        if entry.delivery_id:
-            self.delivered[entry.kid] = None  # back, and last in the eviction order
         if entry.deadline is not None:
             self.arm(entry)
         self.drop_if_idle(entry)
@@ -2687,13 +2756,13 @@ class LotMachine(RuleBasedStateMachine):
         last = entry.delivery_id if entry is not None else 0
         self.do_release(kid, {"give up": 0, "last": last or 77, "wrong": (last or 76) ^ 1}[which])
 
-    @precondition(lambda self: self.delivered)
+    @precondition(lambda self: self.delivered_ids())
     @rule(data=st.data(), act=sometimes(3))
     def confirm(self, data: st.DataObject, act: bool) -> None:
         """The consumer confirms a delivery it received (or not yet: let deliveries pile up)."""
         if not act:
             return
-        kid = data.draw(st.sampled_from(list(self.delivered)))
+        kid = data.draw(st.sampled_from(self.delivered_ids()))
         self.do_release(kid, self.entries[kid].delivery_id)
 
     @rule(
@@ -2808,7 +2877,7 @@ class LotMachine(RuleBasedStateMachine):
                 if e.committed_at is not None and e.fetch is None and not e.delivery_id
             ),
             bound_ids=sum(1 for e in self.entries.values() if e.fetch is not None),
-            delivered_ids=len(self.delivered),
+            delivered_ids=len(self.delivered_ids()),
             open_batches=len(self.open_batches()),
             tombstones=len(self.tombs),
             intents=len(self.intents),
