@@ -30,6 +30,7 @@ from ._buffers import byte_view
 from ._errors import StatusRule, UsageError, classify_status, error_for
 from ._result import Reason
 from ._shm import ShmAccess
+from ._timeouts import OUT_OF_BAND_SHARE
 from .handle import TRANSPORT_NAMES, KVHandle
 
 # POOL_FULL retries back off from this wait, doubling, never beyond the producer's
@@ -111,14 +112,18 @@ class ShmPlan:
     staged: bool
 
 
-def plan_shm(shm: ShmAccess, chunks: list[PreparedChunk]) -> ShmPlan | None:
+def plan_shm(shm: ShmAccess, chunks: list[PreparedChunk], outcome: ParkOutcome) -> ShmPlan | None:
     """Chunks that all lie in one lent buffer go by reference; otherwise they are copied into
-    a lent staging buffer. None when shared memory cannot be used."""
-    found = [shm.lend_of(c.parts[0]) if len(c.parts) == 1 else None for c in chunks]
+    a lent staging buffer. None when shared memory cannot be used. A lend still to be made
+    takes at most a share of what is left of the park's time, so that a lending socket that
+    does not answer leaves the park most of it for the gRPC stream."""
+    left = outcome.remaining_s()
+    lend_s = None if left is None else left * OUT_OF_BAND_SHARE
+    found = [shm.lend_of(c.parts[0], lend_s) if len(c.parts) == 1 else None for c in chunks]
     lend_ids = {f[0] for f in found if f is not None}
     if None not in found and len(lend_ids) == 1:
         return ShmPlan(lend_ids.pop(), [f[2] for f in found if f is not None], staged=False)
-    staged = shm.staging(sum(c.nbytes for c in chunks))
+    staged = shm.staging(sum(c.nbytes for c in chunks), lend_s)
     if staged is None:
         return None
     lend_id, view, _buffer = staged

@@ -61,6 +61,7 @@ from ._park import (
     ParkFrames,
     ParkOutcome,
     ParkResult,
+    PreparedChunk,
     ShmPlan,
     batch_frames,
     check_batch_bytes,
@@ -71,6 +72,7 @@ from ._park import (
     prepare_all,
 )
 from ._park_route import BatchRoute
+from ._shm import ShmAccess
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
 
 PARK_METHOD = SERVICE + "Park"
@@ -116,6 +118,27 @@ def _outcome(core: ClientCore, kid: str, timeout: TimeoutArg) -> ParkOutcome:
     deadline_s = resolve(timeout, core.timeout).total_s
     dialed = target_address(core.channel.target)
     return ParkOutcome(kid, deadline_s, monotonic, producer=str(dialed) if dialed else "")
+
+
+async def _planned(
+    shm: ShmAccess, prepared: list[PreparedChunk], outcome: ParkOutcome
+) -> ShmPlan | None:
+    """`plan_shm` off the event loop: a lend waits on the shm socket, and staging copies the
+    bytes. A caller cancelled meanwhile never gets the plan, so its staging buffer is given
+    back once the thread is done (else every later park would find staging busy)."""
+    job = asyncio.get_running_loop().run_in_executor(None, plan_shm, shm, prepared, outcome)
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(functools.partial(_unstage_unused, shm))
+        raise
+
+
+def _unstage_unused(shm: ShmAccess, job: asyncio.Future[ShmPlan | None]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        plan = job.result()
+        if plan is not None and plan.staged:
+            shm.unstage()
 
 
 # ===================================================================================== sync
@@ -198,7 +221,7 @@ class KVParker(ClientBase):
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
         read_info_before_lending(self._core, self.server_info, timeout)
-        plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
+        plan = plan_shm(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
                 frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
@@ -497,7 +520,7 @@ class AsyncKVParker(ClientBase):
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
         await aread_info_before_lending(self._core, self.server_info, timeout)
-        plan = plan_shm(self._core.shm, prepared) if self._core.uses_shm else None
+        plan = await _planned(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
                 frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")

@@ -12,7 +12,9 @@ many seconds in all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -23,9 +25,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import MiB, park, running_producer, stub_for
+from conftest import MiB, park, running_producer, stub_for, wait_until
 
-from kvpark import AsyncKVConsumer, KVConsumer, KVParker, Reason, Timeout, TransportError
+from kvpark import (
+    AsyncKVConsumer,
+    AsyncKVParker,
+    KVConsumer,
+    KVParker,
+    Reason,
+    Timeout,
+    TransportError,
+)
 from kvpark.client import USE_CLIENT_DEFAULT, ClientClosedError
 
 # What a call may take beyond its own timeout: scheduling on a busy 2-core machine.
@@ -280,4 +290,65 @@ def test_a_silent_shm_socket_costs_a_load_a_share_of_its_own_timeout() -> None:
     shutil.rmtree(directory, ignore_errors=True)
     assert result.ok and result.transport == "grpc", result
     assert result.elapsed_s >= 0.25, result  # the lend's wait counts in the load's own time
+    assert_within(elapsed, 1.0)
+
+
+@contextlib.contextmanager
+def silent_shm_socket() -> Iterator[socket.socket]:
+    """An shm socket whose producer side never answers (a frozen lending thread):
+    connections queue on it and nothing ever reads them."""
+    directory = tempfile.mkdtemp(prefix="kvpark-")  # Unix socket paths are short (107 bytes)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.bind(os.path.join(directory, "frozen.sock"))
+            silent.listen(8)
+            yield silent
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_silent_shm_socket_costs_a_park_a_share_of_its_own_timeout() -> None:
+    """A park from a shared buffer lends it over the shm socket first. A socket that never
+    answers gets a quarter of the park's own timeout, not a handshake timeout of its own on
+    top: the park then goes over the gRPC stream and ends within its timeout, parked."""
+    with silent_shm_socket() as silent:
+
+        async def scenario() -> Any:
+            async with running_producer() as server:
+
+                def run() -> tuple[Any, float]:
+                    with KVParker(server.target, shm_socket=silent.getsockname()) as parker:
+                        parker.server_info()  # the epoch is known: the lend is what waits
+                        source = parker.shared_buffer(4096)
+                        source[:] = 7
+                        started = time.monotonic()
+                        result = parker.park("s", [source], timeout=1.0)
+                        return result, time.monotonic() - started
+
+                return await asyncio.to_thread(run)
+
+        result, elapsed = asyncio.run(scenario())
+    assert result.ok and result.transport == "grpc", result
+    assert_within(elapsed, 1.0)
+
+
+async def test_an_async_park_waits_for_a_silent_shm_socket_off_the_event_loop() -> None:
+    """While an async park's lend waits on a silent shm socket, the event loop goes on
+    running other tasks (this test's own polling sees the lend waiting, with the park not
+    done), and the park still ends parked, over the gRPC stream, within its timeout."""
+    with silent_shm_socket() as silent:
+        async with running_producer() as server:
+            async with AsyncKVParker(server.target, shm_socket=silent.getsockname()) as parker:
+                await parker.server_info()
+                source = parker.shared_buffer(4096)
+                source[:] = 7
+                started = time.monotonic()
+                park = asyncio.create_task(parker.park("s", [source], timeout=1.0))
+                await wait_until(
+                    lambda: select.select([silent], [], [], 0)[0], what="the lend to wait"
+                )
+                assert not park.done()
+                result = await park
+                elapsed = time.monotonic() - started
+    assert result.ok and result.transport == "grpc", result
     assert_within(elapsed, 1.0)
