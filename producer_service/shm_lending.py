@@ -370,13 +370,22 @@ class ShmLendingServer:
                         with contextlib.suppress(OSError):
                             wake.recv(64)
                     elif isinstance(key.data, _Connection) and key.data.sock in self._conns:
-                        self._on_readable(key.data)
+                        self._serve_one(key.data)
                 self._answer_releases()
                 self._expire_slow_messages()
         except Exception:
             log.exception("shm lending server failed; every lend ends")
         finally:
             self._close_all()
+
+    def _serve_one(self, conn: _Connection) -> None:
+        """Reads and answers one connection. A failure nobody foresaw in its message ends
+        that connection (and its lends), not the server with every client's lends."""
+        try:
+            self._on_readable(conn)
+        except Exception:
+            log.exception("shm lending: a message failed unexpectedly; its connection ends")
+            self._drop(conn)
 
     def _select_timeout(self) -> float | None:
         deadlines = [c.deadline for c in self._conns.values() if c.deadline is not None]

@@ -71,7 +71,8 @@ def decode_message(payload: bytes) -> dict[str, Any]:
     """The JSON object in one message's payload; ValueError saying why when it is not one."""
     try:
         message = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: arrays or objects nested deeper than the parser's stack allows.
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ValueError("not a JSON object")

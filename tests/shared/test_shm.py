@@ -477,6 +477,9 @@ def test_protocol_violations_close_the_connection(server: ShmLendingServer) -> N
     both = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
     fd = memfd(4096, both)
     violations: list[tuple[Callable[[socket.socket], object], bool]] = [
+        # Nested deeper than the JSON parser's stack: first, so that every later case shows
+        # the server still serves.
+        (lambda s: s.sendall(LENGTH.pack(5000) + b"[" * 5000), False),
         (lambda s: s.sendall(encode_message({"op": "lend", "role": "fetch"})), False),
         (lambda s: s.sendall(encode_message({"op": "hello", "version": 99})), False),
         (lambda s: s.sendall(LENGTH.pack(5) + b"{oops"), True),
@@ -500,6 +503,33 @@ def test_protocol_violations_close_the_connection(server: ShmLendingServer) -> N
         assert is_closed(sock)
         sock.close()
     os.close(fd)
+
+
+def test_a_message_that_fails_unforeseen_ends_its_connection_not_the_server(
+    server: ShmLendingServer, lenders: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should handling one client's message raise what nobody foresaw, that client's
+    connection ends and the server goes on: other clients keep their lends and new ones
+    connect."""
+    bystander = lenders(server, "fetch")
+    buffer = SharedBuffer(4096)
+    kept = bystander.lend(buffer, "fetch")
+    handle = server._handle
+
+    def failing_for_dance(conn: Any, payload: bytes, fds: list[int]) -> None:
+        if b"dance" in payload:
+            raise RuntimeError("unforeseen")
+        handle(conn, payload, fds)
+
+    monkeypatch.setattr(server, "_handle", failing_for_dance)
+    sock = raw_connection(server.path)
+    sock.sendall(encode_message({"op": "dance"}))
+    assert is_closed(sock)
+    sock.close()
+    assert server.lend_count == 1 and server.get(kept, "fetch") is not None
+    bystander.release(kept)
+    raw_connection(server.path).close()  # a new client is greeted (asserted inside)
+    buffer.close()
 
 
 def test_a_silent_or_half_sent_client_is_cut_off(start_server: Any) -> None:
