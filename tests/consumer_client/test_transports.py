@@ -849,6 +849,46 @@ async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_c
     assert counted == 1
 
 
+async def test_a_placement_names_its_offset_from_the_start_of_the_fetched_range(
+    shm_socket: str,
+) -> None:
+    """On the wire, as a client in another language sees it: a Fetch into a range that starts
+    4 KiB into the lent buffer gets ChunksPlaced offsets counted from that range's start, and
+    each chunk lies at shm_offset + offset in the buffer."""
+    data = chunks(2, seed=11)
+    start = 4096
+
+    def run(target: str) -> tuple[list[Any], list[Any], bytes]:
+        with KVParker(target) as parker:
+            assert parker.park("placed", data).ok
+        with ShmLender(shm_socket, None, 5.0) as lender, SharedBuffer(start + 2 * CHUNK) as buf:
+            lender.connect()
+            request = pb.FetchRequest(
+                kv_request_id="placed", accept_transports=[pb.TRANSPORT_SHM],
+                shm_lend_id=lender.lend(buf, FETCH_ROLE), shm_offset=start,
+                shm_length=2 * CHUNK,
+            )  # fmt: skip
+            with grpc.insecure_channel(target) as channel:
+                fetch = channel.unary_stream(
+                    "/kvpark.v1.KVProducer/Fetch",
+                    request_serializer=pb.FetchRequest.SerializeToString,
+                    response_deserializer=pb.FetchResponse.FromString,
+                )
+                answers = list(fetch(request, timeout=10))
+            placed = [p for a in answers if a.HasField("placed") for p in a.placed.chunks]
+            return answers, placed, buf.array.tobytes()
+
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        answers, placed, landed = await in_thread(run, server.target)
+        server.lot.check_invariants()
+    assert answers[-1].done.status == pb.STATUS_OK
+    assert [(p.chunk_id, p.offset, p.nbytes) for p in placed] == [(0, 0, CHUNK), (1, CHUNK, CHUNK)]
+    for p in placed:
+        at = start + p.offset
+        assert landed[at : at + p.nbytes] == data[p.chunk_id].tobytes()
+        assert crc32c_of(landed[at : at + p.nbytes]) == p.crc32c
+
+
 # ================================================================ Park by reference, in groups
 async def test_shm_park_names_many_chunks_per_message_and_one_bad_crc_keeps_none(
     shm_socket: str,
