@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -337,6 +338,21 @@ async def test_fetch_all_of_an_id_parked_without_a_total_ends_at_its_commit() ->
         assert time.monotonic() - started < 5
 
 
+@contextlib.asynccontextmanager
+async def cut_off_fetch(server: Any, kid: str) -> AsyncIterator[Any]:
+    """A Fetch of `kid` whose reader reads nothing (its HTTP/2 window stays shut), yielded
+    once the producer has cut it off for stalling."""
+    async with grpc.aio.insecure_channel(
+        server.target, options=[*channel_options(), ("grpc.http2.bdp_probe", 0)]
+    ) as reader:
+        stalled = pb_grpc.KVProducerStub(reader).Fetch(pb.FetchRequest(kv_request_id=kid))
+        await wait_until(
+            lambda: server.lot.statistics().stalled_fetches_total == 1,
+            what="the stalled fetch to be cut off",
+        )
+        yield stalled
+
+
 async def test_a_consumer_that_reads_nothing_is_cut_off_and_the_id_kept() -> None:
     """A reader whose flow-control window stays shut loses its id after fetch_stall_timeout_s:
     the id goes back to PARKED with a fresh lease, and another consumer loads every byte."""
@@ -346,14 +362,7 @@ async def test_a_consumer_that_reads_nothing_is_cut_off_and_the_id_kept() -> Non
         async with stub_for(server) as stub:
             chunks = chunks_of(8, 4 * MiB)
             await park(stub, "z", chunks, total=8)
-            async with grpc.aio.insecure_channel(
-                server.target, options=[*channel_options(), ("grpc.http2.bdp_probe", 0)]
-            ) as reader:
-                stalled = pb_grpc.KVProducerStub(reader).Fetch(pb.FetchRequest(kv_request_id="z"))
-                await wait_until(
-                    lambda: server.lot.statistics().stalled_fetches_total == 1,
-                    what="the stalled fetch to be cut off",
-                )
+            async with cut_off_fetch(server, "z") as stalled:
                 state = await state_of(stub, "z")
                 assert state.state == pb.STATE_PARKED and state.lease_remaining_s > 4
                 messages = await fetch_all(stub, "z")
@@ -372,14 +381,7 @@ async def test_a_consumer_cut_off_mid_batch_gets_no_later_chunk_of_it() -> None:
         async with stub_for(server) as stub:
             # 1 MiB chunks: the first batch (4 MiB) holds four of them.
             await park(stub, "x", {i: b"\x11" * MiB for i in range(8)}, total=8)
-            async with grpc.aio.insecure_channel(
-                server.target, options=[*channel_options(), ("grpc.http2.bdp_probe", 0)]
-            ) as reader:
-                stalled = pb_grpc.KVProducerStub(reader).Fetch(pb.FetchRequest(kv_request_id="x"))
-                await wait_until(
-                    lambda: server.lot.statistics().stalled_fetches_total == 1,
-                    what="the stalled fetch to be cut off",
-                )
+            async with cut_off_fetch(server, "x") as stalled:
                 released = await stub.Release(pb.ReleaseRequest(kv_request_id="x"))
                 assert released.status == pb.STATUS_OK
                 await park(stub, "y", {i: b"\xee" * MiB for i in range(8)}, total=8)
