@@ -1769,29 +1769,26 @@ def test_evicting_an_id_undoes_its_open_batch_evicted_and_wakes_it() -> None:
     rig.assert_stored(8 * PAGE)
 
 
-def test_a_cancelled_redelivery_keeps_its_place_in_the_eviction_order() -> None:
+def two_deliveries() -> Rig:
+    """A full pool of 12 pages: "old" delivered, then "new" a second later, "p" parked."""
     rig = Rig(pool_pages=12)
     for kid in ("old", "new", "p"):
         rig.parked(kid, four_pages(kid))
     rig.deliver("old")
     rig.advance(1)
     rig.deliver("new")
-    rig.lot.cancel_fetch(rig.bound("old"))  # back to DELIVERED: still the older delivery
-    rig.parked("n", four_pages("n"))
-    assert_tombstoned(rig, "old", EVICTED)
-    assert rig.state("new").state == pb.STATE_DELIVERED
-    rig.check()
+    return rig
 
 
-def test_a_stalled_redelivery_keeps_its_place_in_the_eviction_order() -> None:
-    rig = Rig(pool_pages=12)
-    for kid in ("old", "new", "p"):
-        rig.parked(kid, four_pages(kid))
-    rig.deliver("old")
-    rig.deliver("new")
+@pytest.mark.parametrize("how", ["cancelled", "stalled"])
+def test_a_redelivery_that_ends_short_keeps_its_place_in_the_eviction_order(how: str) -> None:
+    rig = two_deliveries()
     binding = rig.bound("old")
-    assert isinstance(rig.next(binding), tuple)
-    rig.lot.stall_fetch(binding)  # a fresh grace, but the delivery is as old as it was
+    if how == "cancelled":
+        rig.lot.cancel_fetch(binding)  # back to DELIVERED: still the older delivery
+    else:
+        assert isinstance(rig.next(binding), tuple)
+        rig.lot.stall_fetch(binding)  # a fresh grace, but the delivery is as old as it was
     rig.parked("n", four_pages("n"))
     assert_tombstoned(rig, "old", EVICTED)
     assert rig.state("new").state == pb.STATE_DELIVERED
@@ -1799,11 +1796,7 @@ def test_a_stalled_redelivery_keeps_its_place_in_the_eviction_order() -> None:
 
 
 def test_a_completed_redelivery_is_the_newest_delivery() -> None:
-    rig = Rig(pool_pages=12)
-    for kid in ("old", "new", "p"):
-        rig.parked(kid, four_pages(kid))
-    rig.deliver("old")
-    rig.deliver("new")
+    rig = two_deliveries()
     rig.deliver("old")
     rig.parked("n", four_pages("n"))
     assert_tombstoned(rig, "new", EVICTED)
