@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,21 +215,25 @@ class LoadSession:
     # ------------------------------------------------------------- out-of-band transports
     def refused_out_of_band(self, code: grpc.StatusCode | None) -> bool:
         """True when the producer refused this load's lent buffer before any byte moved (it
-        does not hold it: another process, or released): the load goes on over gRPC."""
+        does not hold it: another process, or released): the load goes on over gRPC. A range
+        too small for the next chunk is OUT_OF_RANGE (`rpc_failed`), never a refused lend."""
         return (
             self.shm is not None
             and code == grpc.StatusCode.INVALID_ARGUMENT
             and self.chunks_loaded == 0
         )
 
-    def expected_chunk(self, chunk_id: int) -> Step | None:
-        """None when `chunk_id` is the next requested chunk, else the step of giving up."""
+    def _next_requested(self) -> int | None:
+        """The id of the next chunk to load; None when every requested chunk was loaded."""
         index = self.chunks_loaded
         if self.chunk_ids is None:
-            expected = index
-        elif index < len(self.chunk_ids):
-            expected = self.chunk_ids[index]
-        else:
+            return index
+        return self.chunk_ids[index] if index < len(self.chunk_ids) else None
+
+    def expected_chunk(self, chunk_id: int) -> Step | None:
+        """None when `chunk_id` is the next requested chunk, else the step of giving up."""
+        expected = self._next_requested()
+        if expected is None:
             return self._abandon(
                 Reason.PROTOCOL_ERROR, f"chunk {chunk_id} sent after all requested chunks"
             )
@@ -353,24 +358,42 @@ class LoadSession:
         if timed_out:
             self._decide(Reason.TIMEOUT, self._timeout_detail("first chunk"), code)
             return
-        if self.shm is not None and code == grpc.StatusCode.INVALID_ARGUMENT:
-            # After binding, the only INVALID_ARGUMENT of a shm Fetch is a next chunk that does
-            # not fit in the rest of the lent range (docs/protocol.md): the same misuse as a
-            # chunk that does not fit `into` on the other transports.
-            loaded = self._dest.nbytes
-            raise BufferTooSmallError(
-                f"into holds {self.shm.length} bytes; the next chunks do not fit after "
-                f"{loaded} bytes ({details})",
-                needed=self.shm.length + 1,  # at least; the producer names the chunk
-                available=self.shm.length,
-                chunks_loaded=self.chunks_loaded,
-                bytes_loaded=loaded,
-            )
+        if self.shm is not None and code in _DOES_NOT_FIT_CODES:
+            # A next chunk that does not fit in the rest of the lent range (docs/protocol.md):
+            # the same misuse as a chunk that does not fit `into` on the other transports.
+            # (An INVALID_ARGUMENT before any chunk landed never gets here: it refused the
+            # lend, and the load went on over gRPC.)
+            raise self._too_small(details)
         rule = classify_status(code)
         if rule.load_reason is None:
             raise error_for(code, details, f"Fetch {printable_id(self.kv_request_id)}")
         detail = self._timeout_detail("total") if rule.load_reason is Reason.TIMEOUT else details
         self._decide(rule.load_reason, detail, rule.code)
+
+    def _too_small(self, details: str) -> BufferTooSmallError:
+        """The error the other transports raise when `into` runs out at the same chunk: the
+        same counts, and `needed` up to the end of the chunk the producer names."""
+        assert self.shm is not None
+        loaded = self._dest.nbytes
+        named = _DOES_NOT_FIT.match(details)
+        if named is None or int(named["chunk_id"]) != self._next_requested():
+            return BufferTooSmallError(
+                f"into holds {self.shm.length} bytes; the next chunks do not fit after "
+                f"{loaded} bytes ({details})",
+                needed=self.shm.length + 1,  # at least: the chunk and its size are not known
+                available=self.shm.length,
+                chunks_loaded=self.chunks_loaded,
+                bytes_loaded=loaded,
+            )
+        chunk_id, needed = int(named["chunk_id"]), loaded + int(named["nbytes"])
+        return BufferTooSmallError(
+            f"into holds {self.shm.length} bytes; chunk {chunk_id} needs bytes {loaded}.."
+            f"{needed} (chunks are placed back to back in request order)",
+            needed=needed,
+            available=self.shm.length,
+            chunks_loaded=self.chunks_loaded,
+            bytes_loaded=loaded,
+        )
 
     # ------------------------------------------------------------------------------- result
     def _first_chunk_s(self) -> float | None:
@@ -450,6 +473,12 @@ class LoadSession:
             f"{self.chunks_loaded} chunks loaded; Fetch cancelled"
         )
 
+
+# How a producer refuses a shm Fetch's next chunk that does not fit in the rest of the lent
+# range: OUT_OF_RANGE, or INVALID_ARGUMENT once a chunk landed from a producer that refuses it
+# with the lend refusals' code. Its detail names the chunk and its size (docs/protocol.md).
+_DOES_NOT_FIT_CODES = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT})
+_DOES_NOT_FIT = re.compile(r"chunk (?P<chunk_id>\d+) \((?P<nbytes>\d+) bytes\) does not fit")
 
 # Outcomes that point at a bug or corruption somewhere: worth a warning in the worker's log.
 _LOUD = frozenset({Reason.CHECKSUM_MISMATCH, Reason.PROTOCOL_ERROR, Reason.RPC_ERROR})

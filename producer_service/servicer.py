@@ -438,18 +438,43 @@ class KVProducerServicer:
         kid: str,
         context: Any,
     ) -> None:
+        last = binding.remaining() == 0  # no chunk of this Fetch follows the batch
+        if not isinstance(destination, ShmStream):
+            await self._write(destination, chunks, binding, kid, context, last=last)
+            return
+        # As when a consumer's own buffer runs out on the other transports: every chunk that
+        # fits is placed, and the refusal names the first that does not, with its size, so the
+        # consumer can say how many bytes the load needs. OUT_OF_RANGE, not the lend refusals'
+        # INVALID_ARGUMENT: a consumer must not take a range that is too small for a lend the
+        # producer does not hold and retry the load on another transport.
+        fits = destination.fitting(chunks)
+        if fits:
+            await self._write(
+                destination, chunks[:fits], binding, kid, context, last=last and fits == len(chunks)
+            )
+        if fits < len(chunks):
+            too_big = chunks[fits]
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"chunk {too_big.chunk_id} ({too_big.nbytes} bytes) does not fit in the "
+                f"{destination.room_left} bytes left of the lent shm range; the id keeps its "
+                "bytes",
+            )
+
+    async def _write(
+        self,
+        destination: Destination,
+        chunks: list[ReadyChunk],
+        binding: FetchBinding,
+        kid: str,
+        context: Any,
+        *,
+        last: bool,
+    ) -> None:
         stall_s = self._fetch_stall_timeout_s
-        if isinstance(destination, ShmStream):
-            too_big = destination.room_for(chunks)
-            if too_big is not None:
-                await _invalid(
-                    context,
-                    f"chunk {too_big.chunk_id} ({too_big.nbytes} bytes) does not fit in the "
-                    "rest of the lent shm range; the id keeps its bytes",
-                )
         self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
         try:
-            await destination.send(chunks, last=binding.remaining() == 0)
+            await destination.send(chunks, last=last)
             self._lot.sent(binding)
         except Stalled:
             self._stalled(binding, kid, context)

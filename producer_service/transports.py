@@ -267,14 +267,19 @@ class ShmStream:
         self._pos = 0
         self._limit = limit
 
-    def room_for(self, chunks: Sequence[ReadyChunk]) -> ReadyChunk | None:
-        """The first chunk that would not fit in the lent range, or None."""
+    @property
+    def room_left(self) -> int:
+        """Bytes of the lent range no chunk has been placed in yet."""
+        return self._limit - self._pos
+
+    def fitting(self, chunks: Sequence[ReadyChunk]) -> int:
+        """How many of `chunks`, from the first, fit in the rest of the lent range."""
         pos = self._pos
-        for step in chunks:
+        for count, step in enumerate(chunks):
             pos += step.nbytes
             if pos > self._limit:
-                return step
-        return None
+                return count
+        return len(chunks)
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         start = self._pos

@@ -1169,3 +1169,127 @@ async def test_a_streaming_batch_sends_its_references_in_groups(shm_socket: str)
 
         assert await in_thread(load) == expected
         server.lot.check_invariants()
+
+
+# ============================================================ a lent range that runs out
+SMALL_CHUNK = 256 * 1024
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+@pytest.mark.parametrize("fitting", [20, 0], ids=["midway", "first chunk"])
+async def test_a_lent_range_too_small_loads_what_fits_and_needs_what_grpc_says(
+    client: str, fitting: int, shm_socket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """24 chunks of 256 KiB into a buffer with room for `fitting` of them and 100 bytes: over
+    shared memory every chunk that fits lands (the producer places the fitting part of a batch,
+    here the second), and the error is the one the gRPC stream gives into the same buffer,
+    with the same counts and the bytes the load needs. A range too small even for the first
+    chunk is not a lend the producer refused: no fallback to the gRPC stream."""
+    rng = np.random.default_rng(29)
+    data = [rng.integers(0, 256, SMALL_CHUNK, dtype=np.uint8) for _ in range(24)]
+    room = fitting * SMALL_CHUNK + 100
+    registry = CollectorRegistry()
+    metrics = ConsumerMetrics(registry)
+
+    def outcome(error: BufferTooSmallError, into: Any) -> tuple[Any, ...]:
+        value = (error.chunks_loaded, error.bytes_loaded, error.needed, error.available)
+        return value, into[: error.bytes_loaded].tobytes()
+
+    def run_sync(target: str) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for transport in ("grpc", "shm"):
+            with KVConsumer(
+                target, transport=transport, shm_socket=shm_socket, metrics=metrics, confirm=False
+            ) as c:
+                into = c.shared_buffer(room)
+                with pytest.raises(BufferTooSmallError) as err:
+                    c.load("tight", num_chunks=24, into=into)
+                seen[transport] = outcome(err.value, into)
+                whole = c.shared_buffer(24 * SMALL_CHUNK)
+                seen[f"{transport} retry"] = c.load("tight", num_chunks=24, into=whole), whole
+        return seen
+
+    async def run_async(target: str) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for transport in ("grpc", "shm"):
+            async with AsyncKVConsumer(
+                target, transport=transport, shm_socket=shm_socket, metrics=metrics, confirm=False
+            ) as c:
+                into = c.shared_buffer(room)
+                with pytest.raises(BufferTooSmallError) as err:
+                    await c.load("tight", num_chunks=24, into=into)
+                seen[transport] = outcome(err.value, into)
+                whole = c.shared_buffer(24 * SMALL_CHUNK)
+                seen[f"{transport} retry"] = await c.load("tight", num_chunks=24, into=whole), whole
+        return seen
+
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        with KVParker(server.target) as parker:
+            assert (await in_thread(parker.park, "tight", data)).ok
+        with caplog.at_level(logging.INFO, logger="kvpark.client"):
+            if client == "sync":
+                seen = await in_thread(run_sync, server.target)
+            else:
+                seen = await run_async(server.target)
+        server.lot.check_invariants()
+        sent = server.metrics.registry.get_sample_value(
+            "kvpark_sent_bytes_total", {"transport": "shm"}
+        )
+    fitted = (fitting, fitting * SMALL_CHUNK, (fitting + 1) * SMALL_CHUNK, room)
+    assert seen["grpc"] == (fitted, joined(data[:fitting]))
+    assert seen["shm"] == seen["grpc"]
+    assert sent == (fitting + 24) * SMALL_CHUNK  # what fitted, then the whole retry
+    shm_fallbacks = registry.get_sample_value(
+        "kvpark_client_transport_fallbacks_total", {"transport": "shm"}
+    )
+    assert not shm_fallbacks
+    assert not [r for r in caplog.records if "refused the lent buffer" in r.getMessage()]
+    for transport in ("grpc", "shm"):  # the id kept its bytes
+        retried, whole = seen[f"{transport} retry"]
+        assert retried.ok and retried.transport == transport, retried
+        assert whole.tobytes() == joined(data)
+
+
+@pytest.mark.parametrize("fitting", [2, 0], ids=["midway", "first chunk"])
+async def test_a_fetch_past_its_shm_range_places_what_fits_then_names_the_chunk(
+    fitting: int, shm_socket: str
+) -> None:
+    """On the wire: the chunks that fit in the range are copied and named in ChunksPlaced, then
+    the call ends OUT_OF_RANGE (never the INVALID_ARGUMENT of a lend the producer does not
+    hold) naming the chunk that does not fit and its size; the id keeps its bytes."""
+    data = chunks(3, seed=31)
+
+    def run(target: str) -> tuple[list[Any], grpc.RpcError, bytes]:
+        with KVParker(target) as parker:
+            assert parker.park("past", data).ok
+        with (
+            ShmLender(shm_socket, None, 5.0) as lender,
+            SharedBuffer(fitting * CHUNK + 100) as buf,
+        ):
+            lender.connect()
+            request = pb.FetchRequest(
+                kv_request_id="past", accept_transports=[pb.TRANSPORT_SHM],
+                shm_lend_id=lender.lend(buf, FETCH_ROLE), shm_length=fitting * CHUNK + 100,
+            )  # fmt: skip
+            answers: list[Any] = []
+            with grpc.insecure_channel(target) as channel:
+                fetch = channel.unary_stream(
+                    "/kvpark.v1.KVProducer/Fetch",
+                    request_serializer=pb.FetchRequest.SerializeToString,
+                    response_deserializer=pb.FetchResponse.FromString,
+                )
+                with pytest.raises(grpc.RpcError) as ended:
+                    for answer in fetch(request, timeout=10):
+                        answers.append(answer)
+            return answers, ended.value, buf.array.tobytes()
+
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        answers, ended, landed = await in_thread(run, server.target)
+        parked = lambda: server.lot.lookup(["past"])[0].state == pb.STATE_PARKED  # noqa: E731
+        await wait_until(parked, what="the id back where it was")
+        server.lot.check_invariants()
+    placed = [(p.chunk_id, p.offset, p.nbytes) for a in answers for p in a.placed.chunks]
+    assert placed == [(i, i * CHUNK, CHUNK) for i in range(fitting)]
+    assert landed[: fitting * CHUNK] == joined(data[:fitting])
+    assert ended.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert (ended.details() or "").startswith(f"chunk {fitting} ({CHUNK} bytes) does not fit")
