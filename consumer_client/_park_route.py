@@ -9,7 +9,11 @@ produces any chunk. That works when the choice needs no chunk: a parker with no 
 sends chunks inline, and one with a single shared buffer names that one. A parker with several
 shared buffers (or, for the async parker, one that has not yet learnt the producer's epoch it
 checks the socket against) learns which buffer the batch refers to only from the first `put`,
-so its header goes with that chunk; chunks elsewhere go inline. References go out in groups
+so its header goes with that chunk; chunks elsewhere go inline. Every lend a batch makes takes
+at most a share of what is left of the batch's time (OUT_OF_BAND_SHARE), as for `park()`, so
+a lending socket that does not answer leaves the batch most of its time for the gRPC stream;
+once the batch knows which buffer its header names it lends no more (a chunk elsewhere could
+not go by reference anyway). References go out in groups
 of up to 64 chunks or 16 MiB, the last with the commit, as `park()` sends them: the
 producer's cost is per message. A producer that does not
 hold the lend (it restarted since the buffer was lent) refuses the header with
@@ -26,6 +30,7 @@ from __future__ import annotations
 import grpc
 
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.shm import SharedBuffer, find_shared
 
 from ._park import (
     REFS_MESSAGE_BYTES,
@@ -37,14 +42,25 @@ from ._park import (
     crc_of,
 )
 from ._shm import ShmAccess
+from ._timeouts import OUT_OF_BAND_SHARE
+
+# Where a chunk goes by reference: the lend id, the lent buffer and the chunk's offset in it.
+Place = tuple[str, SharedBuffer, int]
 
 
 class BatchRoute:
-    def __init__(self, frames: ParkFrames, shm: ShmAccess | None, *, can_lend: bool) -> None:
-        """`can_lend`: lending may start now (the producer's epoch is known, or unneeded)."""
+    def __init__(
+        self, frames: ParkFrames, shm: ShmAccess | None, outcome: ParkOutcome, *, can_lend: bool
+    ) -> None:
+        """`can_lend`: lending may start now (the producer's epoch is known, or unneeded);
+        `lend_at_start` then lends the parker's only shared buffer."""
         self.frames = frames
         self._shm = shm
+        self._outcome = outcome
         self._started = False
+        # The buffer the header's lend is of, once a chunk showed it: chunks in it go by
+        # reference without asking the shm socket, chunks elsewhere inline.
+        self._lent: SharedBuffer | None = None
         # Chunks sent by reference, to resend inline if the producer refuses the lend: views
         # of the caller's shared buffer, no copies. A chunk sent inline is not kept (its
         # memory is the caller's again once `put` returned), so after one the batch can no
@@ -58,30 +74,77 @@ class BatchRoute:
         self._group_crcs: list[int] = []
         self._group_bytes = 0
         self.header_at_start: bytes | None = None  # the header, when it can go at once
+        self.lends_at_start = False  # whether `lend_at_start` has a lend to try
         if shm is None or not shm.has_buffers:
             self.header_at_start = self.opening()
-        elif can_lend and (lend_id := shm.sole_lend()) is not None:
-            frames.lend_id = lend_id
+        else:
+            self.lends_at_start = can_lend
+
+    def lend_at_start(self) -> None:
+        """Lends the parker's only shared buffer, so that the header names it and goes out at
+        once (`header_at_start`); with several, the first chunk chooses. Blocking I/O on the
+        shm socket."""
+        if not self.lends_at_start or self._started or self._shm is None:
+            return
+        self.lends_at_start = False
+        lend_id = self._shm.sole_lend(self._lend_s())
+        if lend_id is not None:
+            self.frames.lend_id = lend_id
             self.header_at_start = self.opening()
+
+    def _lend_s(self) -> float | None:
+        left = self._outcome.remaining_s()
+        return None if left is None else left * OUT_OF_BAND_SHARE
 
     @property
     def transport(self) -> str:
         """What carried the batch's bytes: "shm" once a chunk went by reference."""
         return "shm" if self._by_ref and self.frames.lend_id else "grpc"
 
-    def frames_for(self, chunk: PreparedChunk) -> list[bytes]:
-        """The frames that send `chunk`, the header first on the first call."""
-        found = None
-        if self._shm is not None and len(chunk.parts) == 1:
-            found = self._shm.lend_of(chunk.parts[0])
+    def _shared(self, chunk: PreparedChunk) -> tuple[SharedBuffer, int] | None:
+        """The shared buffer `chunk` lies in and its offset there, if it lies in one."""
+        if self._shm is None or len(chunk.parts) != 1:
+            return None
+        found = find_shared(chunk.parts[0])
+        return None if found is None else found[:2]
+
+    def _chooses_lend(self) -> bool:
+        """Whether a chunk may still decide which lent buffer the header names: before the
+        header, or after a header named a lend whose buffer no chunk has shown yet."""
+        return self._lent is None and (not self._started or bool(self.frames.lend_id))
+
+    def may_lend(self, chunk: PreparedChunk) -> bool:
+        """Whether `place_of(chunk)` may lend a buffer (blocking I/O on the shm socket)."""
+        return self._chooses_lend() and self._shared(chunk) is not None
+
+    def place_of(self, chunk: PreparedChunk) -> Place | None:
+        """Where `chunk` goes by reference, or None: inline. While the batch has yet to learn
+        which buffer its header names, this lends the chunk's buffer (`may_lend`), taking at
+        most a share of what is left of the batch's time. Changes nothing in the route."""
+        shared = self._shared(chunk)
+        if shared is None:
+            return None
+        buffer, offset = shared
+        if buffer is self._lent and self.frames.lend_id:
+            return self.frames.lend_id, buffer, offset
+        if not self._chooses_lend():
+            return None
+        assert self._shm is not None
+        found = self._shm.lend_of(chunk.parts[0], self._lend_s())
+        return None if found is None else (found[0], buffer, offset)
+
+    def frames_for(self, chunk: PreparedChunk, place: Place | None) -> list[bytes]:
+        """The frames that send `chunk` (`place`: `place_of(chunk)`), the header first on the
+        first call."""
         out = []
         if not self._started:
-            if found is not None:
-                self.frames.lend_id = found[0]
+            if place is not None:
+                self.frames.lend_id = place[0]
             out.append(self.opening())
-        if found is not None and found[0] == self.frames.lend_id:
+        if place is not None and place[0] == self.frames.lend_id:
+            self._lent = place[1]
             self._by_ref.append(chunk)
-            self._group.append((chunk, found[2]))
+            self._group.append((chunk, place[2]))
             self._group_crcs.append(crc_of(chunk))
             self._group_bytes += chunk.nbytes
             if len(self._group) == REFS_PER_MESSAGE or self._group_bytes >= REFS_MESSAGE_BYTES:
@@ -128,6 +191,7 @@ class BatchRoute:
         `forget_lend`)."""
         old = self.frames
         self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
+        self._lent = None
         self._group, self._group_crcs, self._group_bytes = [], [], 0
         out = [self.frames.header, *(self.frames.chunk(chunk) for chunk in self._by_ref)]
         self._by_ref = []
@@ -147,3 +211,4 @@ class BatchRoute:
     def finished(self) -> None:
         """The batch ended: its references to the caller's memory go."""
         self._by_ref, self._group, self._group_crcs = [], [], []
+        self._lent = None

@@ -94,12 +94,13 @@ class ShmAccess:
             return None
         return lend_id, buffer.array.data, offset, length
 
-    def sole_lend(self) -> str | None:
+    def sole_lend(self, timeout_s: float | None = None) -> str | None:
         """The lend id of this client's only shared buffer (lent now if it was not yet);
-        None when it made none or several, or lending does not work."""
+        None when it made none or several, or lending does not work. A lend still to be made
+        takes at most `timeout_s` (None: HANDSHAKE_TIMEOUT_S)."""
         with self._lock:
             buffers = list(self._buffers)
-        return self._lend(buffers[0]) if len(buffers) == 1 else None
+        return self._lend(buffers[0], timeout_s) if len(buffers) == 1 else None
 
     def staging(
         self, nbytes: int, timeout_s: float | None = None

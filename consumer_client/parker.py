@@ -275,7 +275,8 @@ class KVParker(ClientBase):
         outcome = _outcome(self._core, kid, timeout)
         read_info_before_lending(self._core, self.server_info, timeout)
         shm = self._core.shm if self._core.uses_shm else None
-        route = BatchRoute(frames, shm, can_lend=True)
+        route = BatchRoute(frames, shm, outcome, can_lend=True)
+        route.lend_at_start()
         _, park = self._stubs()
         return self._core.start_call(ParkBatch, park, self._core.channel.metadata, route, outcome)
 
@@ -372,7 +373,8 @@ class ParkBatch:
         chunk = prepare(chunk_id, payload)
         if self._future.done() and not self._went_inline():
             return False
-        for frame in self._route.frames_for(chunk):
+        place = self._route.place_of(chunk)
+        for frame in self._route.frames_for(chunk, place):
             self._frames.send(frame)
         return not self._future.done() or self._went_inline()
 
@@ -579,7 +581,7 @@ class AsyncKVParker(ClientBase):
         frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
         outcome = _outcome(self._core, kid, timeout)
         shm = self._core.shm if self._core.uses_shm else None
-        route = BatchRoute(frames, shm, can_lend=not self._core.lends_blind())
+        route = BatchRoute(frames, shm, outcome, can_lend=not self._core.lends_blind())
         _, park = self._stubs()
         # Lending may need the producer's epoch first: read before the first chunk is routed.
         core, info = self._core, self.server_info
@@ -691,7 +693,11 @@ class AsyncParkBatch:
             return False
         if not self._route.started and self._before_first_put is not None:
             await self._before_first_put()
-        for frame in self._route.frames_for(chunk):
+        if self._route.may_lend(chunk):  # waits on the shm socket: off the event loop
+            place = await asyncio.to_thread(self._route.place_of, chunk)
+        else:
+            place = self._route.place_of(chunk)
+        for frame in self._route.frames_for(chunk, place):
             await self._frames.send(frame)
         return not self._call.done() or await self._went_inline()
 
@@ -727,6 +733,16 @@ class AsyncParkBatch:
             self._route.finished()
 
     async def __aenter__(self) -> AsyncParkBatch:
+        if self._route.lends_at_start:
+            # The lend that lets the header go out before the first chunk waits on the shm
+            # socket: off the event loop.
+            try:
+                await asyncio.to_thread(self._route.lend_at_start)
+            except BaseException:
+                self.abort()  # no `async with` body follows, so no exit would end the call
+                raise
+            if self._route.header_at_start is not None:
+                await self._frames.send(self._route.header_at_start)
         return self
 
     async def __aexit__(

@@ -352,3 +352,80 @@ async def test_an_async_park_waits_for_a_silent_shm_socket_off_the_event_loop() 
                 elapsed = time.monotonic() - started
     assert result.ok and result.transport == "grpc", result
     assert_within(elapsed, 1.0)
+
+
+def shared_chunks(parker: Any, buffers: int) -> list[Any]:
+    """Two 4 KiB chunks in `buffers` shared buffers of the parker (one, or one each)."""
+    if buffers == 1:
+        source = parker.shared_buffer(2 * 4096)
+        source[:] = 7
+        return [source[:4096], source[4096:]]
+    pieces = [parker.shared_buffer(4096) for _ in range(buffers)]
+    for piece in pieces:
+        piece[:] = 7
+    return pieces
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_a_silent_shm_socket_costs_a_streaming_batch_a_share_of_its_own_timeout(
+    buffers: int,
+) -> None:
+    """A streaming batch from shared buffers lends one over the shm socket: when it starts
+    with one shared buffer, at its first chunk with several. A socket that never answers
+    gets a share of what is left of the batch's own timeout for each lend, not a handshake
+    timeout of its own on top: the batch goes over the gRPC stream and commits within its
+    timeout."""
+    with silent_shm_socket() as silent:
+
+        async def scenario() -> Any:
+            async with running_producer() as server:
+
+                def run() -> tuple[Any, float]:
+                    with KVParker(server.target, shm_socket=silent.getsockname()) as parker:
+                        parker.server_info()  # the epoch is known: the lend is what waits
+                        pieces = shared_chunks(parker, buffers)
+                        started = time.monotonic()
+                        with parker.batch("s", total_chunks=2, timeout=1.0) as batch:
+                            for chunk_id, piece in enumerate(pieces):
+                                assert batch.put(chunk_id, piece)
+                        return batch.result, time.monotonic() - started
+
+                return await asyncio.to_thread(run)
+
+        result, elapsed = asyncio.run(scenario())
+    assert result is not None and result.ok and result.transport == "grpc", result
+    assert result.chunks_parked == 2, result
+    assert_within(elapsed, 1.0)
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+async def test_an_async_streaming_batch_waits_for_a_silent_shm_socket_off_the_event_loop(
+    buffers: int,
+) -> None:
+    """While an async streaming batch's lend waits on a silent shm socket (when the batch
+    starts with one shared buffer, at its first chunk with several), the event loop goes on
+    running other tasks (this test's own polling sees the lend waiting, with the batch not
+    done), and the batch still commits, over the gRPC stream, within its timeout."""
+    with silent_shm_socket() as silent:
+        async with running_producer() as server:
+            async with AsyncKVParker(server.target, shm_socket=silent.getsockname()) as parker:
+                await parker.server_info()
+                pieces = shared_chunks(parker, buffers)
+
+                async def stream() -> Any:
+                    async with parker.batch("s", total_chunks=2, timeout=1.0) as batch:
+                        for chunk_id, piece in enumerate(pieces):
+                            assert await batch.put(chunk_id, piece)
+                    return batch.result
+
+                started = time.monotonic()
+                streaming = asyncio.create_task(stream())
+                await wait_until(
+                    lambda: select.select([silent], [], [], 0)[0], what="the lend to wait"
+                )
+                assert not streaming.done()
+                result = await streaming
+                elapsed = time.monotonic() - started
+    assert result is not None and result.ok and result.transport == "grpc", result
+    assert result.chunks_parked == 2, result
+    assert_within(elapsed, 1.0)
