@@ -103,6 +103,8 @@ class LoadSession:
         # This load is the one that tries TCP again after a pause (ClientCore._tcp_turn):
         # the end of the pause it set, given back when no DataOffer let it try.
         self.tcp_probe: float | None = None
+        # Why the data connection ended before its end frame, when it did.
+        self._data_broke = ""
         self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
@@ -313,10 +315,27 @@ class LoadSession:
             self._on_chunk(index, chunk_id, landed)
         return Step.CONTINUE
 
+    def data_connection_broke(self, why: str) -> None:
+        """The data connection ended before its end frame (a reset, a frame cut short)."""
+        self._data_broke = why
+
     def _done(self, done: pb.TransferDone) -> Step:
         self.producer_epoch = done.producer_epoch
         self.transport = done.transport or pb.TRANSPORT_GRPC
-        if done.status == pb.STATUS_OK:
+        if (
+            done.status == pb.STATUS_OK
+            and self._data_broke
+            and self.chunks_loaded < done.chunks_sent
+        ):
+            # The producer sent every frame; the connection lost some on the way (a reset by
+            # the network or a proxy): the path failed, not the contract. The id keeps its
+            # bytes for the delivery grace, so a retry loads it again.
+            self._decide(
+                Reason.UNAVAILABLE,
+                f"the data connection broke after {self.chunks_loaded} of {done.chunks_sent} "
+                f"chunks: {self._data_broke}",
+            )
+        elif done.status == pb.STATUS_OK:
             if self.chunk_ids is not None and not self._complete():
                 self._decide(
                     Reason.PROTOCOL_ERROR,

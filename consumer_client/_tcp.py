@@ -248,11 +248,12 @@ class TcpReceiver:
                     return step
         except _ReadTimedOut:
             return session.give_up(Reason.TIMEOUT, "load timeout on the data connection")
-        except (_ReadFailed, FrameError):
+        except (_ReadFailed, FrameError) as exc:
             if self._aborted:
                 return Step.ABANDON
-            # The producer broke the connection (it failed the transfer, or died): the gRPC
-            # call tells which.
+            # The producer broke the connection (it failed the transfer, or died), or the
+            # network did: the gRPC call tells which.
+            session.data_connection_broke(str(exc))
             return Step.CONTINUE
         finally:
             self._release(ended)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,8 +45,8 @@ from kvpark import (
 from kvpark.checksum import crc32c_of
 from kvpark.client._tcp import RETRY_AFTER_S
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender
-from kvpark.tcp_frames import ACCEPTED, TICKET_BYTES, recv_header, recv_payload
+from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender, split_call_id
+from kvpark.tcp_frames import ACCEPTED, HEADER_BYTES, TICKET_BYTES, recv_header, recv_payload
 
 CHUNK = MiB
 SETTINGS: dict[str, Any] = {
@@ -182,8 +183,10 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
                 cut = c.load("c", num_chunks=4, into=into, timeout=0.5)
                 if transport == "shm":
                     # Settled before the load returned: no producer call holds the lent
-                    # buffer any more, so no late copy can land in it.
-                    assert server.shm is not None and server.shm.lend_count == 0
+                    # buffer any more, so no late copy can land in it. The lend itself stays
+                    # for the next load.
+                    assert server.shm is not None and server.shm.held_lends == 0
+                    assert server.shm.lend_count == 1
                 assert parker.park("c", {3: data[3]}, total_chunks=4).ok
                 return cut, c.load("c", num_chunks=4, into=into)
 
@@ -264,7 +267,7 @@ async def test_an_async_shm_load_cut_off_returns_once_no_copy_can_land(shm_socke
         async with AsyncKVConsumer(server.target, transport="shm", shm_socket=shm_socket) as c:
             into = c.shared_buffer(4 * CHUNK)
             cut = await c.load("a", num_chunks=4, into=into, timeout=0.5)
-            assert server.shm is not None and server.shm.lend_count == 0
+            assert server.shm is not None and server.shm.held_lends == 0
             assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 3
             assert cut.transport == "shm" and into[: 3 * CHUNK].tobytes() == joined(data[:3])
         server.lot.check_invariants()
@@ -290,6 +293,75 @@ async def test_the_producer_ending_a_tcp_transfer_says_why_on_the_call() -> None
         result = await loading
         consumer.close()
         assert result.reason is Reason.SHUTTING_DOWN and result.chunks_loaded == 2
+
+
+@contextmanager
+def cutting_proxy(upstream_port: int, pass_bytes: int, total_bytes: int) -> Iterator[int]:
+    """A port in front of the producer's data port, as a middlebox that cuts connections: it
+    forwards the consumer's ticket, passes `pass_bytes` of the producer's answer, then closes
+    the consumer's side mid-frame and drains the rest of the `total_bytes` the producer sends,
+    so the producer sends every frame and ends its Fetch OK while the consumer got only part
+    of them. (A close, not a reset: a reset would also discard what the consumer's kernel
+    already holds, so how many chunks it got would depend on timing.)"""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def relay() -> None:
+        consumer, _ = listener.accept()
+        with socket.create_connection(("127.0.0.1", upstream_port)) as producer:
+            consumer.settimeout(10)
+            producer.settimeout(10)
+            producer.sendall(consumer.recv(TICKET_BYTES, socket.MSG_WAITALL))
+            passed = 0
+            while passed < pass_bytes:
+                piece = producer.recv(min(65536, pass_bytes - passed))
+                consumer.sendall(piece)
+                passed += len(piece)
+            consumer.close()
+            while passed < total_bytes:  # ... and the producer's last frames go nowhere
+                passed += len(producer.recv(1 << 20))
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        thread.join(15)
+        listener.close()
+
+
+async def test_a_data_connection_cut_on_the_way_is_unavailable_and_the_id_loads_again() -> None:
+    """The network (here a proxy) cuts the data connection after the producer has sent
+    every frame: the producer ends the Fetch OK, the consumer got one chunk. That is the
+    path failing, UNAVAILABLE with what broke, not a producer breaking the contract; the id
+    keeps its bytes for the delivery grace, and the next load gets them all."""
+    data = chunks(3, seed=12)
+    async with running_producer(**SETTINGS) as server:
+        assert server.data is not None
+        # The ACCEPTED byte, three frames and the end frame.
+        total = len(ACCEPTED) + 3 * (HEADER_BYTES + CHUNK) + HEADER_BYTES
+        with cutting_proxy(server.data.port, CHUNK + 4096, total) as port:
+            server.servicer.offer(data=server.data, data_address=f"127.0.0.1:{port}", shm=None)
+
+            def run() -> Any:
+                with KVParker(server.target) as parker:
+                    assert parker.park("r", data).ok
+                with KVConsumer(server.target, transport="tcp") as c:
+                    return c.load("r", num_chunks=3, into=np.zeros(3 * CHUNK, np.uint8))
+
+            broken = await in_thread(run)
+        server.servicer.offer(
+            data=server.data, data_address=f"127.0.0.1:{server.data.port}", shm=None
+        )
+
+        def again() -> Any:
+            with KVConsumer(server.target, transport="tcp") as c:
+                return c.load("r", num_chunks=3)
+
+        retried = await in_thread(again)
+        server.lot.check_invariants()
+    assert broken.reason is Reason.UNAVAILABLE and broken.chunks_loaded == 1, broken
+    assert "data connection broke after 1 of 3 chunks" in broken.detail, broken
+    assert retried.ok and retried.transport == "tcp" and retried.data.tobytes() == joined(data)
 
 
 _TCP_PRODUCER_KILLED = textwrap.dedent(
@@ -833,7 +905,7 @@ async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_c
                 first = c.load("first", num_chunks=2, into=into)
                 assert first.ok and first.transport == "shm", first
                 found = c._core.shm.lend_of(into)  # the client still counts on this lend
-                lent = shm.get(found[0], FETCH_ROLE) if found else None
+                lent = shm.get(split_call_id(found[0])[0], FETCH_ROLE) if found else None
                 assert lent is not None
                 lent.end()  # thread-safe: the producer's lending thread ends lends too
                 into[:] = 0
