@@ -114,16 +114,21 @@ class ShmPlan:
 
 def plan_shm(shm: ShmAccess, chunks: list[PreparedChunk], outcome: ParkOutcome) -> ShmPlan | None:
     """Chunks that all lie in one lent buffer go by reference; otherwise they are copied into
-    a lent staging buffer. None when shared memory cannot be used. A lend still to be made
-    takes at most a share of what is left of the park's time, so that a lending socket that
-    does not answer leaves the park most of it for the gRPC stream."""
+    a lent staging buffer. None when shared memory cannot be used. The lends still to be made
+    share one allowance, a quarter of what is left of the park's time, so that however many
+    buffers the chunks lie in, a lending socket that does not answer leaves the park most of
+    its time for the gRPC stream."""
     left = outcome.remaining_s()
-    lend_s = None if left is None else left * OUT_OF_BAND_SHARE
-    found = [shm.lend_of(c.parts[0], lend_s) if len(c.parts) == 1 else None for c in chunks]
+    lends_end = None if left is None else time.monotonic() + left * OUT_OF_BAND_SHARE
+
+    def lend_s() -> float | None:
+        return None if lends_end is None else max(0.0, lends_end - time.monotonic())
+
+    found = [shm.lend_of(c.parts[0], lend_s()) if len(c.parts) == 1 else None for c in chunks]
     lend_ids = {f[0] for f in found if f is not None}
     if None not in found and len(lend_ids) == 1:
         return ShmPlan(lend_ids.pop(), [f[2] for f in found if f is not None], staged=False)
-    staged = shm.staging(sum(c.nbytes for c in chunks), lend_s)
+    staged = shm.staging(sum(c.nbytes for c in chunks), lend_s())
     if staged is None:
         return None
     lend_id, view, _buffer = staged
