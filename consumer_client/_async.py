@@ -409,7 +409,11 @@ class AsyncKVConsumer(ClientBase):
                 call.cancel()  # the producer's abort signal: the id goes back where it was
             if session.shm is not None and not finished:
                 # Cut off: a copy into the caller's memory may still run; wait it out.
-                await asyncio.shield(asyncio.to_thread(self._core.shm.settle, session.shm.lend_id))
+                await asyncio.shield(
+                    asyncio.to_thread(
+                        self._core.shm.settle, session.shm.lend_id, session.remaining_s()
+                    )
+                )
 
     async def _receive(self, session: LoadSession) -> Step:
         """Reads the data connection on a worker thread while the loop runs on; a cancel of

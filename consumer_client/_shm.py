@@ -16,6 +16,7 @@ a worker without shared memory pays for the attempt once, not on every load.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -26,7 +27,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvpark.shm import SharedBuffer, ShmLender, ShmTimedOut, ShmUnavailable, find_shared
+from kvpark.shm import (
+    FETCH_ROLE,
+    SharedBuffer,
+    ShmBusy,
+    ShmDisconnected,
+    ShmLender,
+    ShmTimedOut,
+    ShmUnavailable,
+    call_id,
+    find_shared,
+    split_call_id,
+)
 
 from ._errors import UsageError
 from ._timeouts import CONCLUSIVE_TIMEOUT_S
@@ -36,6 +48,10 @@ log = logging.getLogger("kvpark.client")
 # How long a client leaves an unreachable shm socket alone before trying again.
 RETRY_AFTER_S = 10.0
 HANDSHAKE_TIMEOUT_S = 2.0
+# The least a cut-off call waits for the producer to say its copies are over, even with none
+# of its own time left (a load cut off by its timeout): what is left of a copy under way and
+# the producer seeing the cancel take milliseconds.
+SETTLE_GRACE_S = 0.25
 
 
 class ShmAccess:
@@ -64,6 +80,8 @@ class ShmAccess:
         self._connecting = threading.Lock()
         self._down_until = 0.0
         self._closed = False
+        # Numbers the Fetches that name a call id, in the order their loads start.
+        self._calls = itertools.count()
 
     # ------------------------------------------------------------------------------ buffers
     def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
@@ -84,7 +102,8 @@ class ShmAccess:
     ) -> tuple[str, memoryview, int, int] | None:
         """(lend id, the whole lent buffer, offset, length) when `obj` lies in one of this
         client's shared buffers and lending works; None otherwise. A lend still to be made
-        takes at most `timeout_s` (None: HANDSHAKE_TIMEOUT_S)."""
+        takes at most `timeout_s` (None: HANDSHAKE_TIMEOUT_S). For a Fetch the id is a call
+        id of the lend when the producer takes them (`settle`)."""
         found = find_shared(obj)
         if found is None:
             return None
@@ -92,7 +111,7 @@ class ShmAccess:
         lend_id = self._lend(buffer, timeout_s)
         if lend_id is None:
             return None
-        return lend_id, buffer.array.data, offset, length
+        return self._for_one_call(lend_id), buffer.array.data, offset, length
 
     def sole_lend(self, timeout_s: float | None = None) -> str | None:
         """The lend id of this client's only shared buffer (lent now if it was not yet);
@@ -128,30 +147,59 @@ class ShmAccess:
         if lend_id is None:
             self.unstage()
             return None
-        return lend_id, buffer.array.data, buffer
+        return self._for_one_call(lend_id), buffer.array.data, buffer
 
     def unstage(self) -> None:
         with self._lock:
             self._staging_busy = False
 
-    def settle(self, lend_id: str) -> None:
-        """After a Fetch into `lend_id` was cut off (timeout, cancel), or a Park naming it
-        was refused (the producer no longer holds it): ends that lend and returns once the
-        producer says no call copies into or out of it any more, so the caller may reuse the
-        memory without a late copy landing in it. The buffer is lent again on its next use.
-        When the producer cannot say so in time, the client's connection is closed and the
-        fact logged: the producer may then still finish one copy into the buffer."""
+    def settle(self, lend_id: str, timeout_s: float | None = None) -> None:
+        """After a Fetch naming `lend_id` was cut off (timeout, cancel), or a Park naming it
+        was refused (the producer no longer holds it): returns once the producer says no copy
+        for that call runs any more, so the caller may reuse the memory the call owned without
+        a late copy landing in it.
+
+        For a call id only that call's copies are waited for and the lend stays, so other
+        loads into the same buffer go on over shared memory. For a lend id the lend ends,
+        which waits for every call holding it, and the buffer is lent again on its next use;
+        so is one the producer says it no longer holds. The wait takes `timeout_s` (what is
+        left of the load), at least SETTLE_GRACE_S and at most HANDSHAKE_TIMEOUT_S. When the
+        producer cannot say so in time, the fact is logged: it may then still finish one copy
+        into that memory. The connection and the other lends made over it stay either way."""
+        lent, call = split_call_id(lend_id)
+        if call is None:
+            self._forget_lend(lent)
+        with self._lock:
+            lender = self._lender
+        if lender is None:
+            return
+        wait = HANDSHAKE_TIMEOUT_S if timeout_s is None else max(timeout_s, SETTLE_GRACE_S)
+        try:
+            still_lent = lender.release(lend_id, wait)
+        except ShmUnavailable as exc:
+            log.warning(
+                "kvpark: a call cut off while the producer might copy into shared memory did "
+                "not settle: a late copy may still land in the memory it owned: %s",
+                exc,
+            )
+            return
+        if not still_lent:
+            self._forget_lend(lent)
+
+    def _for_one_call(self, lend_id: str) -> str:
+        """The id one Fetch names: a call id of the lend when the producer takes them, so a
+        cut-off load waits for its own copies only (`settle`)."""
+        lender = self._lender
+        if self._role != FETCH_ROLE or lender is None or not lender.takes_call_ids:
+            return lend_id
+        return call_id(lend_id, next(self._calls))
+
+    def _forget_lend(self, lend_id: str) -> None:
+        """The buffer lent as `lend_id` is lent anew on its next use."""
         with self._lock:
             for key, (_, known) in list(self._lends.items()):
                 if known == lend_id:
                     del self._lends[key]
-            lender = self._lender
-        if lender is None:
-            return
-        try:
-            lender.release(lend_id)
-        except ShmUnavailable as exc:
-            log.warning("kvpark: a lend that a call stopped using did not settle: %s", exc)
 
     # ------------------------------------------------------------------------------ lending
     def _lend(self, buffer: SharedBuffer, timeout_s: float | None = None) -> str | None:
@@ -175,6 +223,12 @@ class ShmAccess:
         left = None if deadline is None else deadline - time.monotonic()
         try:
             lend_id = lender.lend(buffer, self._role, left)
+        except (ShmBusy, ShmDisconnected) as exc:
+            # Nothing said about the socket: another request held the connection all this
+            # call's time, or another thread's failed request closed it (the next call
+            # connects anew). Lends made over it, and other loads, are unaffected.
+            log.info("kvpark: shared memory not used for this call: %s", exc)
+            return None
         except ShmUnavailable as exc:
             self._down(f"lending a buffer failed: {exc}", exc, left)
             return None

@@ -394,7 +394,7 @@ class KVConsumer(ClientBase):
             _read_what_is_left(call)
             if session.shm is not None and not finished:
                 # Cut off: a copy into the caller's memory may still run; wait it out.
-                self._core.shm.settle(session.shm.lend_id)
+                self._core.shm.settle(session.shm.lend_id, session.remaining_s())
 
     def _confirm_later(self, result: LoadResult) -> None:
         with self._lock:

@@ -42,6 +42,7 @@ from kvpark.shm import (
     ROLES,
     decode_message,
     encode_message,
+    split_call_id,
 )
 
 from .logs import LOGGER_NAME
@@ -85,6 +86,9 @@ class LentBuffer:
     unmapped; a lend that ended cannot be acquired again (LendGone). Memory safety does not
     depend on that discipline: a mapping that some memoryview or array still references when
     the lend ends cannot be closed, so it is left for the last reference to unmap.
+
+    A Fetch that names a call id holds it as that call (`acquire(call)`), so that the client
+    can wait for one call's copies without ending the lend (`release_call`, `call_idle`).
     """
 
     def __init__(
@@ -104,10 +108,13 @@ class LentBuffer:
         self._mmap: mmap.mmap | None = mapping
         self._view: memoryview | None = memoryview(mapping)
         self._holds = 0
+        self._holds_by_call: dict[int, int] = {}
+        # Calls numbered up to this one were released: they may not start holding it.
+        self._released_calls_through = -1
         self._closed = False
-        # Called (from whichever thread lets go last) once the lend has ended and no call holds
-        # it any more: a release waiting to be answered.
-        self.on_idle: Callable[[], None] | None = None
+        # Called (from the thread that let go) each time a hold ends, once a release of the
+        # lend or of one of its calls was asked: a release waiting for that may be answerable.
+        self.on_let_go: Callable[[], None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -138,25 +145,50 @@ class LentBuffer:
             raise LendGone(f"lend {self.lend_id} ended and was unmapped")
         return view
 
+    def call_idle(self, call: int) -> bool:
+        """No hold as call `call` (acquire(call)) is left: no copy for that call runs."""
+        with self._lock:
+            return call not in self._holds_by_call
+
+    def released_call(self, call: int) -> bool:
+        """Call `call` (or a later-numbered one) was released: it may not start holding."""
+        with self._lock:
+            return call <= self._released_calls_through
+
+    def release_call(self, call: int) -> None:
+        """From now on calls numbered up to `call` cannot acquire: once `call_idle(call)`, no
+        copy for that call runs or can start. The lend itself stays."""
+        with self._lock:
+            self._released_calls_through = max(self._released_calls_through, call)
+
     @contextlib.contextmanager
-    def acquire(self) -> Iterator[memoryview]:
+    def acquire(self, call: int | None = None) -> Iterator[memoryview]:
         """Keeps the mapping while the block runs, even if the lend ends meanwhile; yields
-        `view`. Raises LendGone when the lend has already ended."""
+        `view`. Raises LendGone when the lend has already ended, or call `call` was
+        released."""
         with self._lock:
             view = self._view
             if self._closed or view is None:
                 raise LendGone(f"lend {self.lend_id} ended")
+            if call is not None:
+                if call <= self._released_calls_through:
+                    raise LendGone(f"call {call} of lend {self.lend_id} was released")
+                self._holds_by_call[call] = self._holds_by_call.get(call, 0) + 1
             self._holds += 1
         try:
             yield view
         finally:
             with self._lock:
                 self._holds -= 1
+                if call is not None:
+                    left = self._holds_by_call.pop(call) - 1
+                    if left:
+                        self._holds_by_call[call] = left
                 unmap = self._closed and self._holds == 0
             if unmap:
                 self._unmap()
-                if self.on_idle is not None:
-                    self.on_idle()
+            if self.on_let_go is not None:
+                self.on_let_go()
 
     def end(self) -> None:
         """Ends the lend: unmaps now, or when the last `acquire()` block exits. Idempotent."""
@@ -191,6 +223,47 @@ class LentBuffer:
         return f"LentBuffer({self.lend_id[:8]}…, {self.role}, {self.nbytes} bytes, {state})"
 
 
+class LentCall:
+    """One Fetch's use of a lend, as the Fetch named it (a call id): what `get` answers for a
+    call id, used as the LentBuffer itself is. Its holds count as that call's."""
+
+    def __init__(self, lent: LentBuffer, call: int) -> None:
+        self.lent = lent
+        self.call = call
+        self.lend_id = lent.lend_id
+        self.role = lent.role
+        self.nbytes = lent.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self.lent.closed or self.lent.released_call(self.call)
+
+    @property
+    def view(self) -> memoryview:
+        return self.lent.view
+
+    def acquire(self) -> contextlib.AbstractContextManager[memoryview]:
+        return self.lent.acquire(self.call)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A release waiting to be answered: for the whole lend (call None) or one call."""
+
+    lent: LentBuffer
+    call: int | None
+
+    @property
+    def answerable(self) -> bool:
+        return self.lent.idle if self.call is None else self.lent.call_idle(self.call)
+
+    def answer(self) -> dict[str, Any]:
+        # For a call: whether its lend is still lent (one the producer ended on its own is
+        # not, and the client lends the buffer anew).
+        released = self.call is None or not self.lent.closed
+        return {"ok": True, "released": released}
+
+
 @dataclass(eq=False)
 class _Connection:
     sock: socket.socket
@@ -199,7 +272,7 @@ class _Connection:
     fds: list[int] = field(default_factory=list)  # received with the message being read
     lends: dict[str, LentBuffer] = field(default_factory=dict)
     deadline: float | None = None  # the current message (or the hello) must be complete by
-    releasing: LentBuffer | None = None  # released, answered once no call holds it
+    releasing: _Waiting | None = None  # a release answered once the copies it waits for end
 
 
 _LISTENER = "listener"
@@ -311,19 +384,34 @@ class ShmLendingServer:
                     os.unlink(self.path)
         self._close_wake()
 
-    def get(self, lend_id: str, role: str) -> LentBuffer | None:
-        """The live buffer lent under `lend_id` for `role`; None for an unknown or ended lend,
-        or one lent for the other role."""
+    def get(self, lend_id: str, role: str) -> LentBuffer | LentCall | None:
+        """The live buffer lent under `lend_id` for `role`, or for a call id that call's use of
+        it; None for an unknown or ended lend, one lent for the other role, or a call id that
+        is malformed or was released."""
+        try:
+            base, call = split_call_id(lend_id)
+        except ValueError:
+            return None
         with self._lock:
-            lent = self._lends.get(lend_id)
+            lent = self._lends.get(base)
         if lent is None or lent.role != role or lent.closed:
             return None
-        return lent
+        if call is None:
+            return lent
+        used = LentCall(lent, call)
+        return None if used.closed else used
 
     @property
     def lend_count(self) -> int:
         with self._lock:
             return len(self._lends)
+
+    @property
+    def held_lends(self) -> int:
+        """Live lends that a call (or the prefault of a new lend) holds now."""
+        with self._lock:
+            lends = list(self._lends.values())
+        return sum(lent.held for lent in lends)
 
     def _clear_stale_socket(self) -> None:
         try:
@@ -491,7 +579,10 @@ class ShmLendingServer:
                 )
             else:
                 conn.greeted = True
-                self._answer(conn, {"ok": True, "version": PROTOCOL_VERSION, "epoch": self.epoch})
+                self._answer(
+                    conn,
+                    {"ok": True, "version": PROTOCOL_VERSION, "epoch": self.epoch, "calls": True},
+                )
             return
         if op == "lend":
             self._answer(conn, self._lend(conn, message, fds))
@@ -577,27 +668,39 @@ class ShmLendingServer:
             return f"cannot map the buffer: {exc.strerror or exc}"
 
     def _release(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any] | None:
-        """Ends a lend. The answer waits until no call holds the buffer (None: answered later
-        by `_answer_releases`): a call cut off mid-copy may still be writing into it, and the
-        client must not reuse the memory before that copy is over."""
+        """Ends a lend, or for a call id one call's use of it. The answer waits until no call
+        holds the buffer, or no copy for that call runs (None: answered later by
+        `_answer_releases`): a call cut off mid-copy may still be writing into it, and the
+        client must not reuse the memory before that copy is over. Waiting for one call lets
+        a client settle a cut-off Fetch while other Fetches into the same buffer go on."""
         lend_id = message.get("lend_id")
         if not isinstance(lend_id, str):
             return _refusal("lend_id must be a string")
-        lent = conn.lends.pop(lend_id, None)  # only the lending connection may end a lend
+        try:
+            base, call = split_call_id(lend_id)
+        except ValueError as exc:
+            return _refusal(str(exc))
+        lent = conn.lends.get(base)  # only the lending connection may release a lend
         if lent is None:
             return {"ok": True, "released": False}
-        lent.on_idle = self._wake
-        self._forget(lent)
-        if lent.idle:
-            return {"ok": True, "released": True}
-        conn.releasing = lent
+        if call is None:
+            del conn.lends[base]
+            self._forget(lent)
+        else:
+            lent.release_call(call)
+        waiting = _Waiting(lent, call)
+        lent.on_let_go = self._wake
+        if waiting.answerable:
+            return waiting.answer()
+        conn.releasing = waiting
         return None
 
     def _answer_releases(self) -> None:
         for conn in list(self._conns.values()):
-            if conn.releasing is not None and conn.releasing.idle:
+            waiting = conn.releasing
+            if waiting is not None and waiting.answerable:
                 conn.releasing = None
-                self._answer(conn, {"ok": True, "released": True})
+                self._answer(conn, waiting.answer())
 
     def _wake(self) -> None:
         wake = self._wake_w

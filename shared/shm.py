@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -38,18 +39,26 @@ ROLES = (PARK_ROLE, FETCH_ROLE)
 #   every message is a 4-byte big-endian unsigned length N (1..MAX_MESSAGE_BYTES) followed by
 #   N bytes of a UTF-8 JSON object.
 #   client -> producer, first:  {"op": "hello", "version": 1}
-#     answer:                   {"ok": true, "version": 1, "epoch": <int>}
+#     answer:                   {"ok": true, "version": 1, "epoch": <int>, "calls": true}
+#     ("calls": the producer takes call ids, below; an older one leaves it out)
 #   client -> producer:         {"op": "lend", "role": "park"|"fetch", "token": <str>|null}
 #     with exactly one descriptor as SCM_RIGHTS ancillary data on this message and no other
 #     answer:                   {"ok": true, "lend_id": <32 hex>, "nbytes": <int>}
 #   client -> producer:         {"op": "release", "lend_id": <str>}
 #     answer:                   {"ok": true, "released": <bool>}
+# A call id, "<lend id>/<n>" (n a decimal integer the client numbers its calls with, in the
+# order they start), names one Fetch's use of a lend: the Fetch names it in place of the lend
+# id. Releasing a call id leaves the lend as it is; the answer comes once no copy for that call
+# runs any more (released: whether the lend is still lent), and from then on a Fetch naming
+# call n or a lower number of that lend is refused, so none can start copying afterwards.
+# Releasing the lend id itself ends the lend, answered once no call at all holds it.
 #   a refusal of any request:   {"ok": false, "error": <str>}
 # A client sends its next request only after the answer to the previous one. A protocol
 # violation (bad framing or JSON, a descriptor on a message other than lend, a second request
 # before the answer, no hello first) is answered with a refusal when possible and then the
 # producer closes the connection, which ends every lend made over it.
 PROTOCOL_VERSION = 1
+CALL_SEPARATOR = "/"
 MAX_MESSAGE_BYTES = 16 * 1024  # far above any real message (a token is the largest field)
 LENGTH = struct.Struct("!I")
 
@@ -65,6 +74,22 @@ def encode_message(message: dict[str, Any]) -> bytes:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return LENGTH.pack(len(payload)) + payload
+
+
+def call_id(lend_id: str, call: int) -> str:
+    """The id a Fetch names to use lend `lend_id` as call number `call`."""
+    return f"{lend_id}{CALL_SEPARATOR}{call}"
+
+
+def split_call_id(name: str) -> tuple[str, int | None]:
+    """(lend id, call number) of a call id; (name, None) for a plain lend id. ValueError when
+    the call number is not a decimal integer >= 0."""
+    lend_id, separator, call = name.partition(CALL_SEPARATOR)
+    if not separator:
+        return name, None
+    if not (call.isascii() and call.isdigit()) or len(call) > 20:
+        raise ValueError(f"call number {call!r} is not a decimal integer >= 0")
+    return lend_id, int(call)
 
 
 def decode_message(payload: bytes) -> dict[str, Any]:
@@ -86,6 +111,17 @@ class ShmUnavailable(OSError):
 
 class ShmTimedOut(ShmUnavailable):
     """The producer's shm socket did not answer within the time a request was given."""
+
+
+class ShmBusy(ShmTimedOut):
+    """The connection was busy with another request, or still owed an answer to one, for all
+    the time this request had. Nothing was sent: the connection and its lends are as they
+    were, and a later request may find it free."""
+
+
+class ShmDisconnected(ShmUnavailable):
+    """The lender is not connected: it was closed, or a request failed and closed it (which
+    ended its lends). Connecting anew gives a fresh connection."""
 
 
 class ShmRefused(ShmUnavailable):
@@ -255,7 +291,9 @@ class ShmLender:
     Lends made over it last until `release` or until the connection closes (`close`, process
     exit, or an error on the connection: a request that fails midway leaves the stream out of
     step, so the lender closes and its lends end). Every request is bounded by `timeout_s`.
-    Thread-safe: one request at a time.
+    Thread-safe: one request at a time. A release whose answer is late is the exception: the
+    producer answers it once the copies it waits for are over, so the connection stays, and
+    the answer is read before the next request is sent.
     """
 
     def __init__(self, path: str, token: str | None, timeout_s: float) -> None:
@@ -267,6 +305,10 @@ class ShmLender:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.epoch: int | None = None
+        # Whether the producer takes call ids (call_id()), from its hello.
+        self.takes_call_ids = False
+        self._inbox = bytearray()  # an answer read in part: the rest follows on the stream
+        self._owed = 0  # answers to releases whose caller stopped waiting, still to be read
 
     @property
     def connected(self) -> bool:
@@ -315,6 +357,7 @@ class ShmLender:
                 self._drop()
                 raise ShmUnavailable(f"handshake with {self.path} failed: no epoch in the answer")
             self.epoch = epoch
+            self.takes_call_ids = answer.get("calls") is True
             return epoch
 
     def lend(self, buffer: SharedBuffer, role: str, timeout_s: float | None = None) -> str:
@@ -326,18 +369,10 @@ class ShmLender:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         fd = buffer.fd  # ValueError when the buffer is closed, before anything is sent
         deadline = time.monotonic() + self._limit(timeout_s)
-        # Waiting for another request on this connection counts; a lend that cannot start
-        # in time leaves the connection (and the lends made over it) as it is.
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise ShmTimedOut(f"lend over {self.path}: the connection stayed busy")
-        try:
-            if deadline <= time.monotonic():
-                raise ShmTimedOut(f"lend over {self.path}: no time left")
+        with self._turn("lend", deadline):
             answer = self._exchange(
                 {"op": "lend", "role": role, "token": self._token}, (fd,), "lend", deadline
             )
-        finally:
-            self._lock.release()
         if not answer.get("ok"):
             raise ShmRefused(str(answer.get("error")))
         lend_id = answer.get("lend_id")
@@ -346,10 +381,17 @@ class ShmLender:
             raise ShmUnavailable(f"lend over {self.path} failed: no lend id in the answer")
         return lend_id
 
-    def release(self, lend_id: str) -> bool:
-        """Ends one lend now; True if the producer still had it."""
-        with self._lock:
-            answer = self._exchange({"op": "release", "lend_id": lend_id}, (), "release")
+    def release(self, lend_id: str, timeout_s: float | None = None) -> bool:
+        """Ends one lend, or one call's use of it for a call id (see the wire format); returns
+        once the producer says no copy it waits for runs any more: True if the lend was still
+        lent. `timeout_s` (at most the lender's own) bounds the whole of it. ShmBusy: not
+        sent. ShmTimedOut: sent, and the answer did not come in time; the connection and its
+        lends stay, and the late answer is read before the next request."""
+        deadline = time.monotonic() + self._limit(timeout_s)
+        with self._turn("release", deadline):
+            answer = self._exchange(
+                {"op": "release", "lend_id": lend_id}, (), "release", deadline, may_owe=True
+            )
         if not answer.get("ok"):
             raise ShmRefused(str(answer.get("error")))
         return answer.get("released") is True
@@ -370,9 +412,26 @@ class ShmLender:
     ) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _turn(self, what: str, deadline: float) -> Iterator[None]:
+        """Holds the connection for one request. Waiting for another request on it counts
+        against `deadline`; a request that cannot start in time leaves the connection (and
+        the lends made over it) as it is."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ShmBusy(f"{what} over {self.path}: the connection stayed busy")
+        try:
+            if deadline <= time.monotonic():
+                raise ShmBusy(f"{what} over {self.path}: no time left")
+            yield
+        finally:
+            self._lock.release()
+
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
         self.epoch = None
+        self.takes_call_ids = False
+        self._inbox.clear()
+        self._owed = 0
         if sock is not None:
             sock.close()
 
@@ -385,26 +444,47 @@ class ShmLender:
         fds: tuple[int, ...],
         what: str,
         deadline: float | None = None,
+        *,
+        may_owe: bool = False,
     ) -> dict[str, Any]:
         """One request and its answer by `deadline` (default: timeout_s from now). Called with
-        the lock held. Any failure closes the connection: a half-sent request or half-read
-        answer cannot be resumed."""
+        the lock held. Answers still owed to earlier releases are read first; when they do not
+        come in time nothing is sent (ShmBusy). With `may_owe`, an answer that does not come
+        in time is owed (read before the next request) and the connection stays. Any other
+        failure closes the connection: a half-sent request cannot be resumed."""
         sock = self._sock
         if sock is None:
-            raise ShmUnavailable(f"not connected to {self.path}: call connect() first")
+            raise ShmDisconnected(
+                f"{what} over {self.path}: not connected (closed, or a request failed)"
+            )
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
+        sent = False
         try:
+            while self._owed:
+                try:
+                    self._read_answer(sock, deadline)
+                except TimeoutError:
+                    raise ShmBusy(
+                        f"{what} over {self.path}: an earlier release is not answered yet"
+                    ) from None
+                self._owed -= 1
             frame = encode_message(message)
             # A producer that answered and closed before reading (too many connections) makes
             # the send fail, but its answer is still there to read and says why.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 _send(sock, frame, fds, deadline)
-            (size,) = LENGTH.unpack(_recv_exactly(sock, LENGTH.size, deadline))
-            if not 0 < size <= MAX_MESSAGE_BYTES:
-                raise ValueError(f"answer length {size} out of range")
-            return decode_message(_recv_exactly(sock, size, deadline))
+            sent = True
+            return self._read_answer(sock, deadline)
+        except ShmUnavailable:
+            raise
         except TimeoutError:
+            if may_owe and sent:
+                self._owed += 1
+                raise ShmTimedOut(
+                    f"{what} over {self.path}: not answered in time (the answer is read "
+                    "before the next request)"
+                ) from None
             self._drop()
             raise ShmTimedOut(f"{what} over {self.path} timed out") from None
         except ValueError as exc:
@@ -415,6 +495,28 @@ class ShmLender:
         except OSError as exc:
             self._drop()
             raise ShmUnavailable(f"{what} over {self.path} failed: {exc}") from None
+
+    def _read_answer(self, sock: socket.socket, deadline: float) -> dict[str, Any]:
+        """The next answer on the stream by `deadline`. What arrived of it before a timeout
+        stays in the inbox, so a later read resumes where this one stopped."""
+        inbox = self._inbox
+        while True:
+            if len(inbox) >= LENGTH.size:
+                (size,) = LENGTH.unpack_from(inbox)
+                if not 0 < size <= MAX_MESSAGE_BYTES:
+                    raise ValueError(f"answer length {size} out of range")
+                if len(inbox) >= LENGTH.size + size:
+                    payload = bytes(inbox[LENGTH.size : LENGTH.size + size])
+                    del inbox[: LENGTH.size + size]
+                    return decode_message(payload)
+                wanted = LENGTH.size + size - len(inbox)
+            else:
+                wanted = LENGTH.size - len(inbox)
+            sock.settimeout(_remaining(deadline))
+            piece = sock.recv(wanted)
+            if not piece:
+                raise ConnectionError("the producer closed the connection")
+            inbox += piece
 
 
 def _send(sock: socket.socket, frame: bytes, fds: tuple[int, ...], deadline: float) -> None:
@@ -433,14 +535,3 @@ def _remaining(deadline: float) -> float:
     if remaining <= 0:
         raise TimeoutError
     return remaining
-
-
-def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        sock.settimeout(_remaining(deadline))
-        piece = sock.recv(n - len(data))
-        if not piece:
-            raise ConnectionError("the producer closed the connection")
-        data += piece
-    return bytes(data)

@@ -45,7 +45,7 @@ from kvpark import (
 from kvpark.checksum import crc32c_of
 from kvpark.client._tcp import RETRY_AFTER_S
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender
+from kvpark.shm import FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender, split_call_id
 from kvpark.tcp_frames import ACCEPTED, HEADER_BYTES, TICKET_BYTES, recv_header, recv_payload
 
 CHUNK = MiB
@@ -183,8 +183,10 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
                 cut = c.load("c", num_chunks=4, into=into, timeout=0.5)
                 if transport == "shm":
                     # Settled before the load returned: no producer call holds the lent
-                    # buffer any more, so no late copy can land in it.
-                    assert server.shm is not None and server.shm.lend_count == 0
+                    # buffer any more, so no late copy can land in it. The lend itself stays
+                    # for the next load.
+                    assert server.shm is not None and server.shm.held_lends == 0
+                    assert server.shm.lend_count == 1
                 assert parker.park("c", {3: data[3]}, total_chunks=4).ok
                 return cut, c.load("c", num_chunks=4, into=into)
 
@@ -265,7 +267,7 @@ async def test_an_async_shm_load_cut_off_returns_once_no_copy_can_land(shm_socke
         async with AsyncKVConsumer(server.target, transport="shm", shm_socket=shm_socket) as c:
             into = c.shared_buffer(4 * CHUNK)
             cut = await c.load("a", num_chunks=4, into=into, timeout=0.5)
-            assert server.shm is not None and server.shm.lend_count == 0
+            assert server.shm is not None and server.shm.held_lends == 0
             assert cut.reason is Reason.TIMEOUT and cut.chunks_loaded == 3
             assert cut.transport == "shm" and into[: 3 * CHUNK].tobytes() == joined(data[:3])
         server.lot.check_invariants()
@@ -903,11 +905,16 @@ async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_c
                 first = c.load("first", num_chunks=2, into=into)
                 assert first.ok and first.transport == "shm", first
                 found = c._core.shm.lend_of(into)  # the client still counts on this lend
-                lent = shm.get(found[0], FETCH_ROLE) if found else None
+                lent = shm.get(split_call_id(found[0])[0], FETCH_ROLE) if found else None
                 assert lent is not None
                 lent.end()  # thread-safe: the producer's lending thread ends lends too
                 into[:] = 0
-                return c.load("second", num_chunks=2, into=into), into.tobytes()
+                second = c.load("second", num_chunks=2, into=into), into.tobytes()
+                # The client forgot the dead lend: the next load lends the buffer anew.
+                assert parker.park("third", data).ok
+                third = c.load("third", num_chunks=2, into=into)
+                assert third.ok and third.transport == "shm", third
+                return second
 
         second, landed = await in_thread(run)
         server.lot.check_invariants()

@@ -29,10 +29,12 @@ from kvpark.producer.shm_lending import LendGone, LentBuffer, ShmLendingServer
 from kvpark.shm import (
     LENGTH,
     SharedBuffer,
+    ShmBusy,
     ShmLender,
     ShmRefused,
     ShmTimedOut,
     ShmUnavailable,
+    call_id,
     decode_message,
     encode_message,
     find_shared,
@@ -787,5 +789,103 @@ def _first_lends_at_once(server: ShmLendingServer, n: int) -> list[str | None]:
         t.join()
     try:
         return [i if i and server.get(i, "fetch") is not None else None for i in ids]
+    finally:
+        access.close()
+
+
+# --- settling one call --------------------------------------------------------------------------
+
+
+def test_releasing_a_call_waits_for_that_call_only_and_keeps_the_lend(
+    server: ShmLendingServer, lenders: Any
+) -> None:
+    """Two Fetches copy into one lent buffer, each naming a call id of the lend. Releasing the
+    first call is answered once that call let go, while the second still holds the buffer;
+    the lend stays for further calls, and the released call cannot start copying again."""
+    lender = lenders(server, "fetch")
+    assert lender.takes_call_ids
+    with SharedBuffer(MiB) as buffer:
+        lend_id = lender.lend(buffer, "fetch")
+        cut_off = server.get(call_id(lend_id, 1), "fetch")
+        going_on = server.get(call_id(lend_id, 2), "fetch")
+        assert cut_off is not None and going_on is not None
+        order: list[str] = []
+        with going_on.acquire() as other_view:
+            with cut_off.acquire() as view:
+                releasing = threading.Thread(
+                    target=lambda: order.append(
+                        f"answered {lender.release(call_id(lend_id, 1), timeout_s=5)}"
+                    )
+                )
+                releasing.start()
+                wait_for(
+                    lambda: server.get(call_id(lend_id, 1), "fetch") is None,
+                    what="the release to arrive",
+                )
+                view[:4] = b"last"  # the cut-off call's last bytes
+                order.append("copy done")
+            releasing.join(10)
+            assert order == ["copy done", "answered True"]
+            other_view[-4:] = b"more"  # the other call copies on
+        assert bytes(buffer.array[:4]) == b"last" and bytes(buffer.array[-4:]) == b"more"
+        assert server.lend_count == 1 and server.get(lend_id, "fetch") is not None
+        with pytest.raises(LendGone):
+            cut_off.acquire().__enter__()
+        later = server.get(call_id(lend_id, 3), "fetch")
+        assert later is not None
+        with later.acquire():
+            pass
+        # Releasing a call of a lend the connection does not hold says so at once.
+        assert lender.release(call_id("0" * 32, 1), timeout_s=5) is False
+        assert lender.release(lend_id) is True and server.lend_count == 0
+
+
+def test_a_release_answered_late_leaves_the_connection_and_its_lends(
+    server: ShmLendingServer, lenders: Any
+) -> None:
+    """A release whose copy outlasts the time it was given: the caller hears ShmTimedOut, but
+    the connection and the other lends made over it stay. Until the producer answers, a
+    request cannot be sent (ShmBusy, nothing sent, nothing closed); once it has, the late
+    answer is read first and the connection serves on."""
+    lender = lenders(server, "fetch")
+    with SharedBuffer(MiB) as kept_buffer, SharedBuffer(MiB) as buffer:
+        kept = lender.lend(kept_buffer, "fetch")
+        lend_id = lender.lend(buffer, "fetch")
+        held = server.get(call_id(lend_id, 1), "fetch")
+        assert held is not None
+        with held.acquire():
+            with pytest.raises(ShmTimedOut) as late:
+                lender.release(call_id(lend_id, 1), timeout_s=0.1)
+            assert not isinstance(late.value, ShmBusy)
+            assert lender.connected
+            with pytest.raises(ShmBusy):
+                lender.lend(buffer, "fetch", timeout_s=0.1)
+            assert lender.connected and server.lend_count == 2
+        again = lender.lend(buffer, "fetch")
+        assert server.get(again, "fetch") is not None
+        assert server.get(kept, "fetch") is not None and server.lend_count == 3
+
+
+def test_a_settle_answered_late_costs_other_loads_no_lend(server: ShmLendingServer) -> None:
+    """A cut-off call whose copy outlasts its settle: the settle returns in its time (and says
+    that a copy may still land). A lend wanted meanwhile is not made for that call only (the
+    connection owes the release's answer); once the copy is over, lending works at once, and
+    the lend made before is still live: shared memory was not switched off."""
+    from kvpark.client._shm import SETTLE_GRACE_S, ShmAccess
+
+    access = ShmAccess(server.path, TOKENS["fetch"], "fetch", lambda: EPOCH, lambda: None)
+    try:
+        shared, other = access.shared_buffer(4096), access.shared_buffer(4096)
+        found = access.lend_of(shared, 5.0)
+        assert found is not None
+        held = server.get(found[0], "fetch")
+        assert held is not None
+        with held.acquire():
+            started = time.monotonic()
+            access.settle(found[0], timeout_s=0.0)
+            assert time.monotonic() - started < SETTLE_GRACE_S + 0.5
+            assert access.lend_of(other, 0.1) is None
+        assert access.lend_of(other, 5.0) is not None
+        assert server.get(held.lend_id, "fetch") is not None and server.lend_count == 2
     finally:
         access.close()
