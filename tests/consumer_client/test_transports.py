@@ -39,6 +39,7 @@ from kvpark import (
     KVConsumer,
     KVParker,
     Reason,
+    State,
     Timeout,
     wire,
 )
@@ -222,6 +223,11 @@ async def test_what_on_chunk_raises_reaches_the_caller_on_every_transport(
                     c.load("cb", num_chunks=3, into=destination(c, transport, 3),
                            on_chunk=refuse_the_second, timeout=5)  # fmt: skip
                 assert raised.value is error
+                # The client cancelled its Fetch; the id is free again once the producer saw it.
+                wait_for(
+                    lambda: c.lookup(["cb"])[0].state != State.BOUND,
+                    what="the cancelled Fetch to let the id go",
+                )
                 return c.load("cb", num_chunks=3, into=destination(c, transport, 3)), data
 
         again, data = await in_thread(run)
