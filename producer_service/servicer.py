@@ -315,7 +315,7 @@ class KVProducerServicer:
                         done = self._fetch_done(ready, started, destination.transport)
                         await context.write(done)
                         return
-                    await self._send(destination, ready, binding, kid, context)
+                    await self._send(destination, ready, binding, context)
                     batch_bytes = min(BATCH_BYTES, batch_bytes * BATCH_GROWTH)
         finally:
             # Consumer cancelled or disconnected: the id returns to where it was.
@@ -431,16 +431,12 @@ class KVProducerServicer:
                 return self._lot.fetch_wait_expired(binding)
 
     async def _send(
-        self,
-        destination: Destination,
-        chunks: list[ReadyChunk],
-        binding: FetchBinding,
-        kid: str,
+        self, destination: Destination, chunks: list[ReadyChunk], binding: FetchBinding,
         context: Any,
-    ) -> None:
+    ) -> None:  # fmt: skip
         last = binding.remaining() == 0  # no chunk of this Fetch follows the batch
         if not isinstance(destination, ShmStream):
-            await self._write(destination, chunks, binding, kid, context, last=last)
+            await self._write(destination, chunks, binding, context, last=last)
             return
         # As when a consumer's own buffer runs out on the other transports: every chunk that
         # fits is placed, and the refusal names the first that does not, with its size, so the
@@ -449,9 +445,8 @@ class KVProducerServicer:
         # producer does not hold and retry the load on another transport.
         fits = destination.fitting(chunks)
         if fits:
-            await self._write(
-                destination, chunks[:fits], binding, kid, context, last=last and fits == len(chunks)
-            )
+            whole = fits == len(chunks)
+            await self._write(destination, chunks[:fits], binding, context, last=last and whole)
         if fits < len(chunks):
             too_big = chunks[fits]
             await context.abort(
@@ -462,15 +457,11 @@ class KVProducerServicer:
             )
 
     async def _write(
-        self,
-        destination: Destination,
-        chunks: list[ReadyChunk],
-        binding: FetchBinding,
-        kid: str,
-        context: Any,
-        *,
-        last: bool,
-    ) -> None:
+        self, destination: Destination, chunks: list[ReadyChunk], binding: FetchBinding,
+        context: Any, *, last: bool,
+    ) -> None:  # fmt: skip
+        """Sends a batch the destination has room for; `last`: no chunk of the Fetch follows."""
+        kid = binding.entry.kv_request_id
         stall_s = self._fetch_stall_timeout_s
         self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
         try:

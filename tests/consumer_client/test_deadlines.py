@@ -20,7 +20,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -307,6 +307,28 @@ def silent_shm_socket() -> Iterator[socket.socket]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def timed_against_a_silent_shm_socket(
+    prepared: Callable[[KVParker], Callable[[], Any]],
+) -> tuple[Any, float]:
+    """Runs what `prepared(parker)` returns, for a parker whose producer's shm socket never
+    answers (the epoch is already known, so a lend is what waits): its result and seconds."""
+    with silent_shm_socket() as silent:
+
+        async def scenario() -> tuple[Any, float]:
+            async with running_producer() as server:
+
+                def run() -> tuple[Any, float]:
+                    with KVParker(server.target, shm_socket=silent.getsockname()) as parker:
+                        parker.server_info()
+                        action = prepared(parker)
+                        started = time.monotonic()
+                        return action(), time.monotonic() - started
+
+                return await asyncio.to_thread(run)
+
+        return asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("buffers", [1, 8])
 def test_a_silent_shm_socket_costs_a_park_a_share_of_its_own_timeout(buffers: int) -> None:
     """A park from shared buffers lends them over the shm socket first. A socket that never
@@ -314,24 +336,14 @@ def test_a_silent_shm_socket_costs_a_park_a_share_of_its_own_timeout(buffers: in
     lend waiting a quarter of 0.8 s, short of what marks the socket down, eight took twice
     the timeout), not a handshake timeout of its own on top: the park then goes over the
     gRPC stream and ends within its timeout, parked."""
-    with silent_shm_socket() as silent:
 
-        async def scenario() -> Any:
-            async with running_producer() as server:
+    def parking(parker: KVParker) -> Callable[[], Any]:
+        sources = [parker.shared_buffer(4096) for _ in range(buffers)]
+        for source in sources:
+            source[:] = 7
+        return lambda: parker.park("s", sources, timeout=0.8)
 
-                def run() -> tuple[Any, float]:
-                    with KVParker(server.target, shm_socket=silent.getsockname()) as parker:
-                        parker.server_info()  # the epoch is known: the lend is what waits
-                        sources = [parker.shared_buffer(4096) for _ in range(buffers)]
-                        for source in sources:
-                            source[:] = 7
-                        started = time.monotonic()
-                        result = parker.park("s", sources, timeout=0.8)
-                        return result, time.monotonic() - started
-
-                return await asyncio.to_thread(run)
-
-        result, elapsed = asyncio.run(scenario())
+    result, elapsed = timed_against_a_silent_shm_socket(parking)
     assert result.ok and result.transport == "grpc", result
     assert_within(elapsed, 0.8)
 
@@ -379,24 +391,19 @@ def test_a_silent_shm_socket_costs_a_streaming_batch_a_share_of_its_own_timeout(
     gets a share of what is left of the batch's own timeout for each lend, not a handshake
     timeout of its own on top: the batch goes over the gRPC stream and commits within its
     timeout."""
-    with silent_shm_socket() as silent:
 
-        async def scenario() -> Any:
-            async with running_producer() as server:
+    def streaming(parker: KVParker) -> Callable[[], Any]:
+        pieces = shared_chunks(parker, buffers)
 
-                def run() -> tuple[Any, float]:
-                    with KVParker(server.target, shm_socket=silent.getsockname()) as parker:
-                        parker.server_info()  # the epoch is known: the lend is what waits
-                        pieces = shared_chunks(parker, buffers)
-                        started = time.monotonic()
-                        with parker.batch("s", total_chunks=2, timeout=1.0) as batch:
-                            for chunk_id, piece in enumerate(pieces):
-                                assert batch.put(chunk_id, piece)
-                        return batch.result, time.monotonic() - started
+        def stream() -> Any:
+            with parker.batch("s", total_chunks=2, timeout=1.0) as batch:
+                for chunk_id, piece in enumerate(pieces):
+                    assert batch.put(chunk_id, piece)
+            return batch.result
 
-                return await asyncio.to_thread(run)
+        return stream
 
-        result, elapsed = asyncio.run(scenario())
+    result, elapsed = timed_against_a_silent_shm_socket(streaming)
     assert result is not None and result.ok and result.transport == "grpc", result
     assert result.chunks_parked == 2, result
     assert_within(elapsed, 1.0)
