@@ -167,8 +167,9 @@ class ParkBatch:
     # Every Chunk message counts, repeats included: the commit must name the same counts.
     chunks_received: int = 0
     bytes_received: int = 0
-    # Bytes this batch holds in pool pages (bounded by max_batch_bytes).
-    stored_bytes: int = 0
+    # Pool pages this batch's chunks hold (bounded by max_batch_pages): whole pages, so that
+    # many small chunks cannot hold more of the pool than their bytes suggest.
+    held_pages: int = 0
     # Slots being filled from a lent buffer by a worker thread: the batch owns them, and they
     # are freed only by `end_fill`, never under the thread that writes them.
     filling: set[SlotHandle] = field(default_factory=set)
@@ -297,6 +298,8 @@ class Lot:
         self.epoch = epoch
         self.clock = clock
         self.max_batch_bytes = min(settings.max_batch_bytes or pool.pool_bytes, pool.pool_bytes)
+        # ... in the pages a batch's chunks take, each rounded up to whole pages.
+        self.max_batch_pages = pool.pages_for(self.max_batch_bytes)
         self._entries: dict[str, _Entry] = {}
         self._timers: LeaseQueue[_Entry] = LeaseQueue()
         self._seq = itertools.count()
@@ -405,14 +408,14 @@ class Lot:
                 return None  # the same bytes again: nothing more to store
             detail = f"chunk {chunk_id} was parked with other bytes"
             return self._undo(batch, Refusal(CHUNK_CONFLICT, detail))
-        if batch.stored_bytes + nbytes > self.max_batch_bytes:
+        if batch.held_pages + self.pool.pages_for(nbytes) > self.max_batch_pages:
             return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
         handle = self._store(data, batch.reservation)
         if handle is None:
             detail = f"pool full at chunk {chunk_id} ({nbytes} bytes)"
             return self._undo(batch, Refusal(POOL_FULL, detail, self._retry_after(self.clock())))
         batch.pending[chunk_id] = _Stored(handle, actual)
-        batch.stored_bytes += nbytes
+        batch.held_pages += self.pool.pages_for(nbytes)
         self._pending_bytes += nbytes
         return None
 
@@ -437,7 +440,7 @@ class Lot:
         if chunk_id >= (entry.total_chunks or MAX_CHUNKS):
             self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
             raise MalformedRequest(_out_of_range(chunk_id, entry.total_chunks))
-        if batch.stored_bytes + nbytes > self.max_batch_bytes:
+        if batch.held_pages + self.pool.pages_for(nbytes) > self.max_batch_pages:
             return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
         handle = self._allocate(nbytes, batch.reservation)
         if handle is None:
@@ -445,7 +448,7 @@ class Lot:
             return self._undo(batch, Refusal(POOL_FULL, detail, self._retry_after(self.clock())))
         batch.filling.add(handle)
         self._filling.add(handle)
-        batch.stored_bytes += nbytes
+        batch.held_pages += self.pool.pages_for(nbytes)
         self._pending_bytes += nbytes
         return handle, self.pool.views(handle)
 
@@ -456,7 +459,7 @@ class Lot:
         chunk as `park_chunk` does and keeps it in the batch, or frees it."""
         batch.filling.discard(handle)
         self._filling.discard(handle)
-        batch.stored_bytes -= handle.nbytes
+        batch.held_pages -= self.pool.pages_for(handle.nbytes)
         self._pending_bytes -= handle.nbytes
         if batch.failed is not None:  # undone while the thread wrote: its pages go now
             self.pool.free(handle)
@@ -476,7 +479,7 @@ class Lot:
             self.pool.free(handle)
             return self._undo(batch, refusal)
         batch.pending[chunk_id] = _Stored(handle, actual)
-        batch.stored_bytes += handle.nbytes
+        batch.held_pages += self.pool.pages_for(handle.nbytes)
         self._pending_bytes += handle.nbytes
         return None
 
@@ -587,9 +590,13 @@ class Lot:
             batch.entry.open_batches.remove(batch)
 
     def _too_large_detail(self, batch_bytes: int | None) -> str:
-        size = "the batch" if batch_bytes is None else f"a batch of {batch_bytes} bytes"
+        what = (
+            f"the batch's chunks, each taking whole {self.pool.page_bytes}-byte pages, exceed"
+            if batch_bytes is None
+            else f"a batch of {batch_bytes} bytes exceeds"
+        )
         return (
-            f"{size} exceeds max_batch_bytes {self.max_batch_bytes} "
+            f"{what} max_batch_bytes {self.max_batch_bytes} "
             f"(max_batch_share of the {self.pool.pool_bytes}-byte pool)"
         )
 
@@ -1171,6 +1178,9 @@ class Lot:
                 for s in batch.pending.values():
                     assert self.pool.is_live(s.handle), f"{kid!r}: a batch holds a freed slot"
                     pending += s.handle.nbytes
+                handles = [s.handle for s in batch.pending.values()] + list(batch.filling)
+                held = sum(self.pool.pages_for(h.nbytes) for h in handles)
+                assert held == batch.held_pages <= self.max_batch_pages, f"{kid!r}: held pages"
             committed += size
         assert len(self._open_batches) == sum(len(e.open_batches) for e in self._entries.values())
         for handle in self._filling:

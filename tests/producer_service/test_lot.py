@@ -821,6 +821,19 @@ def test_max_batch_bytes_bounds_what_a_batch_declares_and_what_it_stores() -> No
     assert rig.committed(again).chunks_parked == 3
 
 
+def test_max_batch_bytes_counts_the_whole_pages_of_many_small_chunks() -> None:
+    """A chunk takes whole pages however few its bytes: a batch of 1-byte chunks may hold no
+    more pages than max_batch_bytes makes, or one batch could hold the whole pool."""
+    rig = Rig(pool_pages=16, max_batch_bytes=4 * PAGE)
+    batch = rig.begin("small")
+    for chunk_id in range(4):
+        rig.chunk(batch, chunk_id, blob("small", chunk_id, 1))
+    refusal = assert_refused(rig.send(batch, 4, blob("small", 4, 1)), TOO_LARGE)
+    assert f"whole {PAGE}-byte pages" in refusal.detail, refusal.detail
+    rig.assert_pool_empty()
+    assert rig.state("small").state == pb.STATE_UNKNOWN
+
+
 def test_max_batch_bytes_zero_means_the_whole_pool_and_it_is_capped_at_the_pool() -> None:
     assert Rig(pool_pages=16).raw.max_batch_bytes == 16 * PAGE
     assert Rig(pool_pages=16, max_batch_bytes=100 * PAGE).raw.max_batch_bytes == 16 * PAGE
@@ -2022,7 +2035,8 @@ MODEL_SETTINGS: dict[str, Any] = {
     "max_tombstones": 2,  # fewer than IDS: the caps on tombstones and intents come into play
     "park_idle_timeout_s": 8.0,
     "delivery_grace_s": 12.0,
-    "max_batch_bytes": sum(SIZES),  # all four chunks fit, unless one is a longer variant
+    # All four chunks fit, in the whole pages each takes, unless one is a longer variant.
+    "max_batch_bytes": sum(-(-n // PAGE) for n in SIZES) * PAGE,
 }
 TOTALS = (
     "reaped_total",
@@ -2118,7 +2132,7 @@ class MBatch:
     pending: dict[int, bytes] = field(default_factory=dict)
     sent_chunks: int = 0
     sent_bytes: int = 0
-    stored_bytes: int = 0
+    held_pages: int = 0
     failed: int | None = None  # the reason it was undone with
     committed: bool = False
     wakes: int = 0  # calls of its wake
@@ -2355,7 +2369,7 @@ class LotMachine(RuleBasedStateMachine):
             expected = CHECKSUM_MISMATCH
         elif same is not None:
             expected = None if same == data else CHUNK_CONFLICT
-        elif mb.stored_bytes + len(data) > self.s.max_batch_bytes:
+        elif mb.held_pages + pages(len(data)) > pages(self.s.max_batch_bytes):
             expected = TOO_LARGE
         elif not self.make_room(pages(len(data)) - mb.reserved_pages):
             expected, retry_after = POOL_FULL, self.retry_after()
@@ -2372,7 +2386,7 @@ class LotMachine(RuleBasedStateMachine):
         assert refused is None, refused
         if same is None:
             mb.pending[cid] = data
-            mb.stored_bytes += len(data)
+            mb.held_pages += pages(len(data))
             mb.reserved_pages = max(0, mb.reserved_pages - pages(len(data)))
         return True
 
