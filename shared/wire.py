@@ -15,8 +15,9 @@ the last occurrence of a scalar or bytes field wins; a message field that occurs
 merged with the earlier occurrence, which is the same as parsing the concatenation of both
 bodies; a oneof member replaces whichever other member was set before it; unknown fields are
 skipped. What protobuf would accept but we refuse with `WireError` (the producer answers
-INVALID_ARGUMENT): a known field with another wire type than its declared one, groups, and
-field numbers outside protobuf's range. A property test holds the two readings together.
+INVALID_ARGUMENT): a known field with another wire type than its declared one (in a Chunk,
+and in every member of a ParkRequest), groups, and field numbers outside protobuf's range. A
+property test holds the two readings together.
 
 Field numbers (protos/kvpark/v1/kvpark.proto) written by hand here:
   Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
@@ -27,10 +28,13 @@ The other members of the two oneofs are read by the numbers the generated descri
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kvpark.pb import kvpark_pb2 as pb
 
@@ -217,6 +221,50 @@ def _oneof(buf: bytes | memoryview, choices: dict[int, str]) -> tuple[str, list[
     return name, bodies
 
 
+_FIXED64_TYPES = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64,
+                  FieldDescriptor.TYPE_SFIXED64}  # fmt: skip
+_FIXED32_TYPES = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32,
+                  FieldDescriptor.TYPE_SFIXED32}  # fmt: skip
+_LEN_TYPES = {FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES,
+              FieldDescriptor.TYPE_MESSAGE}  # fmt: skip
+
+
+@functools.cache
+def _wire_types(descriptor: Descriptor) -> dict[int, tuple[frozenset[int], Descriptor | None]]:
+    """Field number -> (the wire types protobuf writes it with, its message type if any). A
+    repeated number may also come packed, length-delimited."""
+    out = {}
+    for field in descriptor.fields:
+        if field.type in _LEN_TYPES:
+            wire = _LEN
+        elif field.type in _FIXED64_TYPES:
+            wire = _I64
+        elif field.type in _FIXED32_TYPES:
+            wire = _I32
+        else:
+            wire = _VARINT  # the integer types, bool, enum (a group is refused by _fields)
+        allowed = {wire, _LEN} if field.is_repeated else {wire}
+        out[field.number] = (frozenset(allowed), field.message_type)
+    return out
+
+
+def _check_wire_types(descriptor: Descriptor, body: memoryview) -> None:
+    """Refuses a known field of `body` (and of the messages in it) with another wire type
+    than its declaration's, as parse_chunk does: protobuf would keep it as an unknown field
+    and parse the message as if the field were unset."""
+    declared = _wire_types(descriptor)
+    for field, wire_type, value in _fields(body):
+        known = declared.get(field)
+        if known is None:
+            continue  # unknown field: skipped, as protobuf does
+        allowed, message_type = known
+        if wire_type not in allowed:
+            raise WireError(f"{descriptor.name} field {field}: wire type {wire_type}")
+        if message_type is not None:
+            assert isinstance(value, memoryview)
+            _check_wire_types(message_type, value)
+
+
 def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
     message = message_type()
     try:
@@ -256,7 +304,10 @@ def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
     if name == "chunk":
         return parse_chunk(*bodies)
     if name:
-        message: ParkMessage = _merged(_PARK_MESSAGES[name], bodies)
+        message_type = _PARK_MESSAGES[name]
+        for body in bodies:
+            _check_wire_types(message_type.DESCRIPTOR, body)
+        message: ParkMessage = _merged(message_type, bodies)
         return message
     return None
 

@@ -224,6 +224,34 @@ def test_malformed_frames_raise_wire_error(raw: bytes) -> None:
         wire.parse_park_request(raw)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x0a\x03\x12\x01x",  # header: total_chunks (a varint) length-delimited
+        b"\x0a\x05\x15\x01\x00\x00\x00",  # header: total_chunks as a fixed32
+        b"\x0a\x02\x2b\x2c",  # header: a group
+        b"\x1a\x05\x0d\x01\x00\x00\x00",  # commit: chunks (a varint) as a fixed32
+        b"\x1a\x02\x2b\x2c",  # commit: a group
+        b"\x2a\x07\x0a\x05\x1d\x01\x00\x00\x00",  # chunk_refs: a ref's offset as a fixed32
+    ],
+)
+def test_every_park_member_refuses_a_known_field_of_another_wire_type(raw: bytes) -> None:
+    """Protobuf would keep such a field as unknown and read the message as if it were unset
+    (a header's total_chunks silently 0); kvpark refuses it, as it does inside a Chunk."""
+    with pytest.raises(wire.WireError):
+        wire.parse_park_request(raw)
+
+
+def test_park_members_still_skip_unknown_fields_and_read_nested_refs() -> None:
+    header = pb.ParkHeader(kv_request_id="k", total_chunks=3).SerializeToString()
+    raw = pb.ParkRequest(header=pb.ParkHeader.FromString(header + b"\x48\x01")).SerializeToString()
+    parsed = wire.parse_park_request(raw)
+    assert isinstance(parsed, pb.ParkHeader) and parsed.total_chunks == 3
+    refs = pb.ChunkRefs(refs=[pb.ChunkRef(chunk_id=1, offset=4096, nbytes=10)])
+    parsed = wire.parse_park_request(pb.ParkRequest(chunk_refs=refs).SerializeToString())
+    assert isinstance(parsed, pb.ChunkRefs) and parsed.refs[0].offset == 4096
+
+
 @given(st.binary(max_size=64))
 def test_random_bytes_never_crash_the_parser(raw: bytes) -> None:
     try:
