@@ -67,6 +67,7 @@ from .cli_connect import (
     TargetOption,
     given_targets,
     positive_seconds,
+    target_option,
     targets_of,
 )
 from .cli_snapshot import Snapshot
@@ -123,6 +124,7 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     conn.add_argument(
         "--target",
         action=TargetOption,
+        type=target_option,
         list_dest="targets_before" if top else "targets_after",
         default=default(os.environ.get(TARGET_ENV, DEFAULT_TARGET)),
         help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET}); "

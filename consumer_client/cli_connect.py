@@ -58,6 +58,25 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def dialable_target(text: str) -> str:
+    """The `host:port` a client can dial in `text`, as `Address` writes it; ValueError saying
+    what is wrong otherwise. `--target`, `KVPARK_TARGET` and `--targets-file` lines alike."""
+    address = Address.parse(text)
+    if address.port == 0:
+        raise ValueError("port 0 cannot be dialed")
+    return str(address)
+
+
+def target_option(text: str) -> str:
+    """argparse type of `--target`, which also checks the `KVPARK_TARGET` default."""
+    try:
+        return dialable_target(text)
+    except ValueError as exc:
+        # argparse checks the environment's value under the option's name: say where it is.
+        origin = f" (the value of {TARGET_ENV})" if text == os.environ.get(TARGET_ENV) else ""
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}{origin}") from None
+
+
 def given_targets(args: argparse.Namespace) -> list[str]:
     """The `--target`s given, before and after the command, in order."""
     return [*getattr(args, "targets_before", []), *getattr(args, "targets_after", [])]
@@ -90,12 +109,9 @@ def read_targets_file(path: Path) -> list[str]:
         if not entry:
             continue
         try:
-            address = Address.parse(entry)
+            targets.append(dialable_target(entry))
         except ValueError as exc:
             raise UsageError(f"{path}:{number}: {exc}, got {entry!r}") from None
-        if address.port == 0:
-            raise UsageError(f"{path}:{number}: port 0 cannot be dialed, got {entry!r}")
-        targets.append(str(address))
     if not targets:
         raise UsageError(f"{path}: no targets in it (one host:port per line)")
     return targets
@@ -127,9 +143,11 @@ class Connection:
             except UnicodeDecodeError:
                 raise UsageError(f"{args.token_file}: the token is not UTF-8 text") from None
         credentials = None
+        # A client key names mTLS as much as its certificate does: alone it is a mistake to
+        # report, not an option to drop.
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
         if args.tls or args.tls_ca or args.tls_cert:
-            if bool(args.tls_cert) != bool(args.tls_key):
-                raise UsageError("--tls-cert and --tls-key go together")
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(args.tls_ca),
                 private_key=_read(args.tls_key),
