@@ -144,9 +144,25 @@ def offered_transports(
     return tuple(name for name in wanted if offers[name])
 
 
+def check_writable(path: Path) -> None:
+    """Fails before the benchmark runs, rather than after minutes of it, when the JSON document
+    could not be written to `path`. Appending creates no content and truncates nothing; a file
+    created only to find that out is removed again."""
+    existed = os.path.lexists(path)
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--json-file: cannot write {path}: {exc.strerror}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     park_args, fetch_args = client_args(args)
+    if args.json_file is not None:
+        check_writable(args.json_file)
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -225,5 +241,9 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(doc, indent=2)
     print(text if args.json else report.table(doc))
     if args.json_file is not None:
-        args.json_file.write_text(text + "\n")
+        try:
+            args.json_file.write_text(text + "\n")
+        except OSError as exc:
+            print(f"kvpark bench: cannot write {args.json_file}: {exc.strerror}", file=sys.stderr)
+            return 1
     return 0 if doc["ok"] else 1
