@@ -8,7 +8,7 @@
     kvpark bench [--target HOST:PORT] [--quick] [--size SIZE] [--chunk SIZE,...] [--json-file F]
 
 Connection options (`--target HOST:PORT`, env KVPARK_TARGET; `--token-file`, env KVPARK_TOKEN;
-`--tls`, `--tls-ca`, `--tls-cert`, `--tls-key`; `--rpc-timeout`) and `--json` go before or
+`--tls`, `--tls-ca`, `--tls-cert` with `--tls-key`; `--rpc-timeout`) and `--json` go before or
 after the command; the token and TLS options apply to every target.
 
 `kvpark info` and `kvpark lookup` take several producers: `--target` repeated and/or
@@ -30,22 +30,29 @@ the only place they are registered, and `build_parser` is the only place argpars
 about them. `kvpark bench` (kvpark.client.bench) is registered here like the others.
 
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
-release it refused), or, asking several producers, at least one of them did not answer (the
-others' rows are printed all the same); 2 usage (bad arguments, unreadable token file, a bad
-line in the targets file, several --target for a command that takes one); 3 the call did not
-get through (unreachable, deadline, auth, not a kvpark producer). `kvpark top`: 0 when ended by
-`q`, Ctrl-C or `--count`, except 3 when the last refresh of a `--count` run did not reach the
-producer (while it runs, a producer that does not answer is shown and asked again). `kvpark
-bench` has its own: 0 every byte verified, 1 a wrong byte or outcome or a section that could
-not run, 2 usage.
+release it refused), a fetch whose bytes could not all be written to `--out` (the delivery is
+then not confirmed: the producer keeps the id for a retry within its delivery grace), or,
+asking several producers, at least one of them did not answer (the others' rows are printed
+all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
+host:port, unreadable token file, a bad line in the targets file, several --target for a
+command that takes one); 3 the call did not get through (unreachable, deadline, auth, not a
+kvpark producer; for a fetch, a connection that broke or a load timeout before any chunk came
+back); 130 interrupted by Ctrl-C. `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`,
+except 3 when the last refresh of a `--count` run did not reach the producer (while it runs, a
+producer that does not answer is shown and asked again). `kvpark bench` has its own: 0 every
+byte verified, 1 a wrong byte or outcome or a section that could not run (or its
+`--json-file` could not be written), 2 usage (a `--json-file` that cannot be written is found
+before the run), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +63,7 @@ from kvpark.alloc import tune_allocator
 from . import cli_fleet, cli_top
 from ._errors import KVParkError, RPCError, UsageError
 from ._models import IdStatus
+from ._result import LoadResult, Reason
 from ._sync import KVConsumer
 from ._timeouts import Timeout
 from .bench import command as bench
@@ -76,6 +84,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_RPC = 3
+EXIT_INTERRUPTED = 130
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,9 @@ class Command:
     run: Callable[[argparse.Namespace], int]
     # Takes several --target (and --targets-file); the others refuse more than one.
     many_targets: bool = False
+    # Runs on the main thread because it handles Ctrl-C itself (it reads the terminal, or has
+    # a process of its own to stop). The others run on a worker thread: see `_run_command`.
+    on_main_thread: bool = False
 
 
 class CommandRegistry:
@@ -221,7 +233,9 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _info_text(snapshot: Snapshot) -> str:
-    lines = [f"{key}: {value}" for key, value in asdict(snapshot.info).items()]
+    # The stats follow one per line, so not also as one dict on the info's `stats:` line.
+    fields = {key: value for key, value in asdict(snapshot.info).items() if key != "stats"}
+    lines = [f"{key}: {value}" for key, value in fields.items()]
     lines.append(f"pool_used_bytes: {snapshot.pool_used_bytes}")
     lines.append(f"transports: {','.join(snapshot.transports)}")
     if snapshot.stats is None:
@@ -287,6 +301,7 @@ def _fetch(args: argparse.Namespace) -> int:
         except ValueError:
             raise UsageError(f"--chunk-ids: expected integers, got {args.chunk_ids!r}") from None
     timeout = Timeout(args.timeout, first_chunk_s=args.first_chunk_timeout)
+    write_error: str | None = None
     with client_from_args(args) as client:
         result = client.load(
             args.id,
@@ -299,27 +314,30 @@ def _fetch(args: argparse.Namespace) -> int:
         )
         if result.ok:
             assert result.data is not None  # no `into`: the result owns its bytes
-            if args.out == "-":
-                sys.stdout.buffer.write(result.data.data)
-                sys.stdout.buffer.flush()
-            else:
-                with open(args.out, "wb") as f:
-                    f.write(result.data.data)
-            # Confirmed only once the bytes are written: a failed write leaves the id on the
-            # producer for a retry within its delivery grace.
-            client.confirm(result)
+            write_error = _write_out(args.out, result.data.data)
+            # Confirmed only once every byte is out: otherwise the id stays on the producer
+            # for a retry within its delivery grace.
+            if write_error is None:
+                client.confirm(result)
+    delivered = result.ok and write_error is None
     summary = {
         "kv_request_id": result.kv_request_id,
-        "ok": result.ok,
+        "ok": delivered,
         "reason": result.reason,
         "detail": result.detail,
         "chunks_loaded": result.chunks_loaded,
         "bytes": result.bytes,
         "elapsed_s": round(result.elapsed_s, 6),
         "producer_epoch": result.producer_epoch,
-        "out": args.out if result.ok else None,
+        "out": args.out if delivered else None,
     }
-    if result.ok:
+    if write_error is not None:
+        summary |= {"reason": OUTPUT_FAILED, "detail": write_error}
+        text = (
+            f"fetch {result.kv_request_id} failed: {write_error}; not confirmed, the producer "
+            "keeps the id for a retry within its delivery grace"
+        )
+    elif result.ok:
         text = (
             f"fetched {result.kv_request_id}: {result.chunks_loaded} chunks, {result.bytes} "
             f"bytes in {result.elapsed_s:.3f}s -> {args.out}"
@@ -330,9 +348,64 @@ def _fetch(args: argparse.Namespace) -> int:
             f" chunks, {result.elapsed_s:.3f}s{': ' + result.detail if result.detail else ''}"
             " (nothing written)"
         )
-    # With --out - the payload owns stdout.
-    _emit(args, summary, text, sys.stderr if args.out == "-" else None)
-    return EXIT_OK if result.ok else EXIT_FAILED
+    # With --out - the payload owns stdout; a failure to write is reported on stderr.
+    to_stderr = args.out == "-" or write_error is not None
+    _emit(args, summary, text, sys.stderr if to_stderr else None)
+    if delivered:
+        return EXIT_OK
+    return EXIT_RPC if _did_not_get_through(result) else EXIT_FAILED
+
+
+# The fetch summary's reason when the bytes were loaded but could not all be written out.
+OUTPUT_FAILED = "OUTPUT_FAILED"
+
+
+def _did_not_get_through(result: LoadResult) -> bool:
+    """A load that failed without the producer answering it: the producer was unreachable or
+    the connection broke (UNAVAILABLE), or not one chunk came back before the load timeout.
+    Once chunks have arrived the producer was reached, and a timeout is a fetch that failed
+    partway, like the producer's own refusals."""
+    if result.reason is Reason.UNAVAILABLE:
+        return True
+    return result.reason is Reason.TIMEOUT and result.chunks_loaded == 0
+
+
+def _write_out(out: str, data: memoryview) -> str | None:
+    """Writes all of `data` to the file `out` ('-' = stdout); None when every byte went out,
+    else what went wrong. A partly written file is removed, so no file looks complete that
+    is not."""
+    if out == "-":
+        sys.stdout.flush()
+        return _write_all(sys.stdout.fileno(), data, "stdout")
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    except OSError as exc:
+        return f"cannot open {out}: {exc.strerror}"
+    error = _write_all(fd, data, out)
+    try:
+        os.close(fd)
+    except OSError as exc:
+        error = error or f"cannot write {out}: {exc.strerror}"
+    if error is not None and os.path.isfile(out):
+        with contextlib.suppress(OSError):
+            os.unlink(out)
+    return error
+
+
+def _write_all(fd: int, data: memoryview, name: str) -> str | None:
+    """os.write until every byte is out: a write to a pipe whose reader went away mid-way
+    can return short without an error, so each return value is checked."""
+    view = memoryview(data).cast("B")
+    total, done = len(view), 0
+    while done < total:
+        try:
+            written = os.write(fd, view[done:])
+        except OSError as exc:
+            return f"cannot write {name}: {exc.strerror} after {done} of {total} bytes"
+        if written <= 0:
+            return f"cannot write {name}: it took nothing after {done} of {total} bytes"
+        done += written
+    return None
 
 
 def _release_args(parser: argparse.ArgumentParser) -> None:
@@ -374,8 +447,8 @@ COMMANDS.add(
     )
 )
 COMMANDS.add(Command("release", "give an id up (needs the park token)", _release_args, _release))
-COMMANDS.add(Command("bench", bench.HELP, bench.configure, bench.run))
-COMMANDS.add(Command("top", cli_top.HELP, cli_top.configure, _top))
+COMMANDS.add(Command("bench", bench.HELP, bench.configure, bench.run, on_main_thread=True))
+COMMANDS.add(Command("top", cli_top.HELP, cli_top.configure, _top, on_main_thread=True))
 
 
 # -------------------------------------------------------------------------------- main
@@ -389,8 +462,37 @@ def build_parser(commands: CommandRegistry = COMMANDS) -> argparse.ArgumentParse
         child = sub.add_parser(command.name, help=command.help, description=command.help)
         _add_common(child, top=False)
         command.configure(child)
-        child.set_defaults(run=command.run, many_targets=command.many_targets)
+        child.set_defaults(
+            run=command.run,
+            many_targets=command.many_targets,
+            on_main_thread=command.on_main_thread,
+        )
     return parser
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Runs the command, on a worker thread unless it asks for the main one. A blocking gRPC
+    call does not give its thread back for Ctrl-C (a unary call holds it until its deadline),
+    and a streaming one cut by KeyboardInterrupt leaves grpc's call state broken, so the main
+    thread only waits: Ctrl-C reaches it at once, and the worker, a daemon, ends with the
+    process. A fetch cut off that way is never confirmed; the producer puts the id back."""
+    if args.on_main_thread:
+        code: int = args.run(args)
+        return code
+    outcome: list[int | BaseException] = []
+
+    def work() -> None:
+        try:
+            outcome.append(args.run(args))
+        except BaseException as exc:  # raised again on the main thread, where main() sorts it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=work, name=f"kvpark {args.command}", daemon=True)
+    worker.start()
+    worker.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -405,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     tune_allocator()
     try:
-        code: int = args.run(args)
+        code = _run_command(args)
     except UsageError as exc:
         print(f"kvpark {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -415,6 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVParkError as exc:
         print(f"kvpark {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        # Ctrl-C is how an operator stops a command: no traceback, the shell's 128 + SIGINT.
+        print(f"kvpark {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

@@ -33,6 +33,7 @@ async def test_info_lookup_fetch_release(
         text = capsys.readouterr().out.splitlines()
         assert f"producer_epoch: {server.epoch}" in text
         assert "parked_ids: 2" in text and "transports: grpc" in text
+        assert not any(line.startswith("stats:") for line in text)  # once, one per line
 
         assert await run_cli("info", *t, "--json") == cli.EXIT_OK  # options after the command
         info = json.loads(capsys.readouterr().out)

@@ -1,0 +1,287 @@
+"""`kvpark` when its output or its producer fails it: a fetch is confirmed only once every byte
+went out, a failed write or open is one line and a non-zero exit (the id stays on the
+producer), a fetch that never reached the producer exits 3, bad --target and TLS options are
+usage errors, Ctrl-C ends without a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import (
+    ProducerProcess,
+    free_port,
+    park,
+    running_producer,
+    state_of,
+    stub_for,
+    wait_for,
+)
+from consumer_support import in_thread, joined, park_sync, payload
+
+from kvpark.client import cli
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+
+MiB = 2**20
+
+
+def kvpark_command() -> list[str]:
+    script = Path(sys.executable).parent / "kvpark"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "consumer_client"]
+
+
+def kvpark_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
+
+
+def lookup_sync(target: str, kid: str) -> pb.IdState:
+    with grpc.insecure_channel(target) as channel:
+        reply = pb_grpc.KVProducerStub(channel).Lookup(pb.LookupRequest(kv_request_ids=[kid]))
+        state: pb.IdState = reply.states[0]
+        return state
+
+
+async def run_cli(*argv: str) -> int:
+    return int(await in_thread(cli.main, list(argv)))
+
+
+def assert_one_line_error(stderr: str) -> None:
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_a_reader_closing_the_pipe_midway_leaves_the_id_unconfirmed(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    producer = producer_process()
+    chunks = payload(4, MiB)
+    park_sync(producer.target, "piped", chunks, total=4)
+    fetch = subprocess.Popen(
+        [*kvpark_command(), "--target", producer.target, "fetch", "piped", "--out", "-"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=kvpark_env(),
+    )
+    assert fetch.stdout is not None and fetch.stderr is not None
+    received = fetch.stdout.read(MiB)  # a reader that takes a quarter and goes away
+    fetch.stdout.close()
+    stderr = fetch.stderr.read().decode()
+    assert fetch.wait(timeout=60) == cli.EXIT_FAILED, stderr
+    assert received == joined(chunks)[:MiB]
+    assert "fetched piped" not in stderr and "not confirmed" in stderr
+    assert_one_line_error(stderr)
+
+    # Not confirmed: the producer keeps the delivered id, and a retry gets every byte.
+    assert lookup_sync(producer.target, "piped").state == pb.STATE_DELIVERED
+    out = tmp_path / "retry.kv"
+    retry = subprocess.run(
+        [*kvpark_command(), "--target", producer.target, "fetch", "piped", "--out", str(out)],
+        capture_output=True,
+        timeout=60,
+        env=kvpark_env(),
+    )
+    assert retry.returncode == cli.EXIT_OK, retry.stderr
+    assert out.read_bytes() == joined(chunks)
+    assert lookup_sync(producer.target, "piped").state == pb.STATE_TOMBSTONED
+
+
+async def test_a_fetch_into_a_file_that_cannot_be_written_is_not_confirmed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        chunks = payload(3, 5000)
+        await park(stub, "unwritable", chunks, total=3)
+        t = ("--target", server.target)
+
+        missing_dir = tmp_path / "no-such-dir" / "x.kv"
+        code = await run_cli(*t, "fetch", "unwritable", "--out", str(missing_dir))
+        assert code == cli.EXIT_FAILED
+        captured = capsys.readouterr()
+        assert "fetched" not in captured.out and captured.out == ""
+        assert f"cannot open {missing_dir}: No such file or directory" in captured.err
+        assert_one_line_error(captured.err)
+        assert (await state_of(stub, "unwritable")).state == pb.STATE_DELIVERED
+
+        if Path("/dev/full").exists():  # every write fails with ENOSPC
+            code = await run_cli(*t, "--json", "fetch", "unwritable", "--out", "/dev/full")
+            assert code == cli.EXIT_FAILED
+            captured = capsys.readouterr()
+            assert captured.out == ""
+            assert '"reason": "OUTPUT_FAILED"' in captured.err
+            assert "No space left on device" in captured.err
+            assert (await state_of(stub, "unwritable")).state == pb.STATE_DELIVERED
+
+        out = tmp_path / "x.kv"
+        assert await run_cli(*t, "fetch", "unwritable", "--out", str(out)) == cli.EXIT_OK
+        assert out.read_bytes() == joined(chunks)
+        assert (await state_of(stub, "unwritable")).state == pb.STATE_TOMBSTONED
+
+
+@pytest.fixture
+def silent_socket() -> Iterator[socket.socket]:
+    """A listening socket that never answers: calls to it time out."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener
+
+
+@pytest.fixture
+def silent_listener(silent_socket: socket.socket) -> str:
+    return f"127.0.0.1:{silent_socket.getsockname()[1]}"
+
+
+async def test_a_fetch_that_never_reaches_the_producer_exits_3(
+    silent_listener: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.kv"
+    dead = f"127.0.0.1:{free_port()}"
+    assert await run_cli("--target", dead, "fetch", "x", "--out", str(out)) == cli.EXIT_RPC
+    assert "UNAVAILABLE" in capsys.readouterr().out and not out.exists()
+
+    code = await run_cli(
+        "--target", silent_listener, "--rpc-timeout", "0.5",
+        "fetch", "x", "--timeout", "0.5", "--out", str(out),
+    )  # fmt: skip
+    assert code == cli.EXIT_RPC
+    captured = capsys.readouterr()
+    assert ("TIMEOUT" in captured.out or "DEADLINE_EXCEEDED" in captured.err) and not out.exists()
+
+
+async def test_a_fetch_that_times_out_after_chunks_arrived_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running_producer() as server, stub_for(server) as stub:
+        # Chunk 0 of 2 is parked; the producer waits for chunk 1 longer than the load lasts.
+        await park(stub, "half", {0: b"a" * 100}, total=2)
+        out = tmp_path / "x.kv"
+        code = await run_cli(
+            "--target", server.target, "fetch", "half", "--chunks", "2",
+            "--wait", "5", "--timeout", "0.5", "--out", str(out),
+        )  # fmt: skip
+        assert code == cli.EXIT_FAILED
+        assert "failed: TIMEOUT after 1 chunks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("127.0.0.1:99999", "expected 'HOST:PORT'"),
+        ("127.0.0.1:", "expected 'HOST:PORT'"),
+        ("127.0.0.1:0", "port 0 cannot be dialed"),
+        ("not an address", "expected 'HOST:PORT'"),
+    ],
+)
+def test_a_bad_target_is_a_usage_error(
+    target: str, message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--target", target, "info"])
+    assert exit_.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"argument --target: {message}" in err and repr(target) in err
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["lookup", "x", "--target", "127.0.0.1:1", "--target", target])
+    assert exit_.value.code == cli.EXIT_USAGE
+    assert f"argument --target: {message}" in capsys.readouterr().err
+
+    monkeypatch.setenv("KVPARK_TARGET", target)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["info"])
+    assert exit_.value.code == cli.EXIT_USAGE
+    assert "(the value of KVPARK_TARGET)" in capsys.readouterr().err
+
+
+def test_targets_are_written_one_way() -> None:
+    args = cli.build_parser().parse_args(["--target", " [::1]:50051", "info"])
+    assert args.target == "[::1]:50051"
+
+
+async def test_a_tls_key_without_its_certificate_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tmp_path / "client.key"
+    key.write_text("not read")
+    dead = f"127.0.0.1:{free_port()}"
+    for command in (["info"], ["lookup", "x"], ["fetch", "x", "--out", str(tmp_path / "x")]):
+        code = await run_cli("--target", dead, "--tls-key", str(key), *command)
+        assert code == cli.EXIT_USAGE
+        assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+
+
+def test_bench_checks_its_json_file_before_it_runs(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "bench.json"
+    bench = subprocess.run(
+        [*kvpark_command(), "bench", "--quick", "--json-file", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=kvpark_env(),
+    )
+    assert bench.returncode == cli.EXIT_USAGE
+    assert bench.stdout == "" and "starting our own producer" not in bench.stderr
+    assert f"--json-file: cannot write {missing}: No such file or directory" in bench.stderr
+    assert_one_line_error(bench.stderr)
+
+    writable = tmp_path / "bench.json"
+    cli.bench.check_writable(writable)
+    assert not writable.exists()  # checked, not left behind
+    writable.write_text("kept")
+    cli.bench.check_writable(writable)
+    assert writable.read_text() == "kept"
+
+
+def test_ctrl_c_ends_a_call_at_once_without_a_traceback(silent_socket: socket.socket) -> None:
+    target = f"127.0.0.1:{silent_socket.getsockname()[1]}"
+    info = subprocess.Popen(
+        [*kvpark_command(), "--target", target, "--rpc-timeout", "60", "info"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=kvpark_env(),
+    )
+    silent_socket.settimeout(30)
+    connection, _ = silent_socket.accept()  # the call is under way, and never answered
+    with connection:
+        info.send_signal(signal.SIGINT)
+        _, stderr = info.communicate(timeout=10)  # long before the call's deadline
+    assert info.returncode == 130, stderr  # 128 + SIGINT, as shells report it
+    assert stderr.strip() == "kvpark info: interrupted"
+
+
+def test_ctrl_c_ends_a_fetch_without_a_traceback(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    producer = producer_process()
+    park_sync(producer.target, "waited", {0: b"x" * 10}, total=2)
+    fetch = subprocess.Popen(
+        [
+            *kvpark_command(), "--target", producer.target, "fetch", "waited", "--chunks", "2",
+            "--wait", "9", "--timeout", "60", "--out", str(tmp_path / "x.kv"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=kvpark_env(),
+    )  # fmt: skip
+    # Interrupted while the producer holds the Fetch, waiting for chunk 1.
+    wait_for(
+        lambda: (
+            fetch.poll() is not None
+            or lookup_sync(producer.target, "waited").state == pb.STATE_BOUND
+        ),
+        timeout=30,
+        what="the Fetch bound on the producer",
+    )
+    assert fetch.poll() is None
+    fetch.send_signal(signal.SIGINT)
+    _, stderr = fetch.communicate(timeout=30)
+    assert fetch.returncode == 130, stderr  # 128 + SIGINT, as shells report it
+    assert stderr.strip() == "kvpark fetch: interrupted"
