@@ -38,6 +38,11 @@ from .config_values import (
 __all__ = ["ENV_PREFIX", "KEYS", "ConfigError", "KeySpec", "ProducerConfig"]
 
 ENV_PREFIX = "KVPARK_"
+# What a gRPC message may carry beyond its chunk (framing, the other fields): the server's
+# limits are max_chunk_bytes plus this to send, twice max_chunk_bytes plus this to receive.
+MESSAGE_FRAMING_BYTES = 64 * 1024
+# grpc takes those limits as 32-bit ints.
+MAX_CHUNK_BYTES_CEILING = (2**31 - 1 - MESSAGE_FRAMING_BYTES) // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +142,9 @@ class ProducerConfig:
     )
     max_chunk_bytes: int = field(
         default=16 * 1024**2,
-        metadata=_key(_BYTES, "largest chunk accepted; must be <= pool_bytes"),
+        metadata=_key(
+            _BYTES, "largest chunk accepted; must be <= pool_bytes and under 1 GiB (gRPC's limit)"
+        ),
     )
     unbound_store_timeout_s: float = field(
         default=60.0,
@@ -280,6 +287,13 @@ class ProducerConfig:
                 f"max_chunk_bytes ({self.max_chunk_bytes!r}) must be <= pool_bytes "
                 f"({self.pool_bytes!r})",
                 keys=("max_chunk_bytes", "pool_bytes"),
+            )
+        if self.max_chunk_bytes > MAX_CHUNK_BYTES_CEILING:
+            raise ConfigError(
+                f"max_chunk_bytes ({self.max_chunk_bytes!r}) must be <= "
+                f"{MAX_CHUNK_BYTES_CEILING}: gRPC's message limit (2 x max_chunk_bytes + 64 "
+                "KiB) is a 32-bit int",
+                keys=("max_chunk_bytes",),
             )
         if self.max_lease_s < self.unbound_store_timeout_s:
             raise ConfigError(

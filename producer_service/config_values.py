@@ -105,8 +105,13 @@ def parse_bytes(key: str, value: object) -> int:
     return size
 
 
+# Counts end up in C ints (grpc's limits, thread pools): more than this is refused here, not
+# by an OverflowError at start-up.
+_MAX_COUNT = 2**31 - 1
+
+
 def parse_count(key: str, value: object) -> int:
-    expected = "a whole number > 0"
+    expected = f"a whole number > 0 and <= {_MAX_COUNT}"
     if isinstance(value, bool):
         raise _bad(key, expected, value)
     if isinstance(value, int):
@@ -117,7 +122,7 @@ def parse_count(key: str, value: object) -> int:
         count = int(value.strip())
     else:
         raise _bad(key, expected, value)
-    if count <= 0:
+    if not 0 < count <= _MAX_COUNT:
         raise _bad(key, expected, value)
     return count
 

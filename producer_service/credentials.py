@@ -8,6 +8,7 @@ one line and exits 2. Token values never appear in a message.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,13 +49,40 @@ def load_credentials(config: ProducerConfig) -> Credentials:
             "RPCs (values not shown)",
             keys=("park_token", "fetch_token"),
         )
-    return Credentials(
+    credentials = Credentials(
         park_token=park,
         fetch_token=fetch,
         tls_cert=_pem_file("tls_cert_file", config.tls_cert_file),
         tls_key=_pem_file("tls_key_file", config.tls_key_file),
         tls_client_ca=_pem_file("tls_client_ca_file", config.tls_client_ca_file),
     )
+    _check_tls_material(config)
+    return credentials
+
+
+def _check_tls_material(config: ProducerConfig) -> None:
+    """Loads the certificate, its key and the client CA as a TLS server would: a file that is
+    PEM but not a usable certificate or key, or a key that does not match its certificate, is
+    refused here with the key named, rather than by grpc at bind time ("Failed to bind")."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    if config.tls_cert_file and config.tls_key_file:
+        try:
+            context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"tls_cert_file / tls_key_file: not a usable certificate and matching key "
+                f"({show(config.tls_cert_file)}, {show(config.tls_key_file)}): {exc.reason}",
+                keys=("tls_cert_file", "tls_key_file"),
+            ) from None
+    if config.tls_client_ca_file:
+        try:
+            context.load_verify_locations(config.tls_client_ca_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"tls_client_ca_file: {show(config.tls_client_ca_file)} holds no usable CA "
+                f"certificate: {exc.reason}",
+                keys=("tls_client_ca_file",),
+            ) from None
 
 
 def _read(key: str, path: str) -> bytes:

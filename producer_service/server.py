@@ -26,7 +26,8 @@ from kvpark.pb import kvpark_pb2 as pb
 from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
-from .config import ProducerConfig
+from .config import MESSAGE_FRAMING_BYTES, ProducerConfig
+from .config_values import ConfigError
 from .credentials import Credentials, load_credentials
 from .data_listener import DataListener
 from .data_threads import DataThreads
@@ -66,8 +67,8 @@ def _grpc_options(config: ProducerConfig) -> list[tuple[str, Any]]:
     return [
         # A chunk plus framing must fit; a bit more is accepted so an oversized chunk gets our
         # INVALID_ARGUMENT naming max_chunk_bytes rather than the transport's RESOURCE_EXHAUSTED.
-        ("grpc.max_receive_message_length", 2 * config.max_chunk_bytes + 65536),
-        ("grpc.max_send_message_length", config.max_chunk_bytes + 65536),
+        ("grpc.max_receive_message_length", 2 * config.max_chunk_bytes + MESSAGE_FRAMING_BYTES),
+        ("grpc.max_send_message_length", config.max_chunk_bytes + MESSAGE_FRAMING_BYTES),
         ("grpc.keepalive_time_ms", _KEEPALIVE_PING_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.http2.ping_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
@@ -107,7 +108,10 @@ class ProducerServer:
         # Read at construction when not given: the file I/O of the configuration's load step.
         self.credentials = credentials if credentials is not None else load_credentials(config)
         self.epoch = epoch if epoch is not None else (secrets.randbits(64) or 1)
-        self.pool = HostPool(config.pool_bytes)
+        try:
+            self.pool = HostPool(config.pool_bytes)
+        except ValueError as exc:  # less than one page
+            raise ConfigError(str(exc), keys=("pool_bytes",)) from None
         settings = LotSettings(
             unbound_store_timeout_s=config.unbound_store_timeout_s,
             tombstone_retention_s=config.tombstone_retention_s,
@@ -271,10 +275,13 @@ class ProducerServer:
                 "(allow_insecure is set): anyone who reaches it can read and write KV cache",
                 extra={"kv": {"listen": c.listen}},
             )
-        if c.tls_enabled:
-            port = server.add_secure_port(c.listen, _server_credentials(self.credentials))
-        else:
-            port = server.add_insecure_port(c.listen)
+        try:
+            if c.tls_enabled:
+                port = server.add_secure_port(c.listen, _server_credentials(self.credentials))
+            else:
+                port = server.add_insecure_port(c.listen)
+        except RuntimeError as exc:  # grpcio raises "Failed to bind" (older ones returned 0)
+            raise OSError(f"listen: cannot bind {c.listen!r}: {exc}") from None
         if port == 0:
             raise OSError(f"listen: cannot bind {c.listen!r}")
         return int(port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ def run_cli(
             "30",
         ),
         (["--pool-bytes", "lots"], "pool_bytes", "'lots'"),
+        # Values that pass each key's own check but would fail inside grpc or the pool.
+        (["--max-chunk-bytes", "1GiB"], "max_chunk_bytes", "1073741824"),
+        (["--max-concurrent-rpcs", "9" * 20], "max_concurrent_rpcs", "9" * 20),
+        (["--pool-bytes", "1000", "--max-chunk-bytes", "1000"], "pool_bytes", "1000"),
     ],
 )
 def test_bad_flag_exits_2_naming_the_key(args: list[str], key: str, shown: str) -> None:
@@ -73,6 +78,16 @@ def test_bad_config_file_exits_2_naming_the_key(
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip()
     assert "\n" not in line and key in line and shown in line
+
+
+def test_a_listen_port_in_use_exits_1_saying_so_on_one_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("--listen", f"127.0.0.1:{port}", "--metrics-listen", "")
+    assert result.returncode == 1, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("kvpark-producer")]
+    assert ours == [ours[0]] and f"cannot bind '127.0.0.1:{port}'" in ours[0], result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_console_script_starts_the_same_cli() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tls_certs import make_certs
 
 from kvpark.address import Address
 from kvpark.producer.config import KEYS, ProducerConfig
@@ -235,10 +236,11 @@ def test_counts_accepted(value: object, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", [0, -3, "0", "-3", "1.5", 1.5, "abc", True, None, "1e6", "", "\u0661\u0662"]
+    "value",
+    [0, -3, "0", "-3", "1.5", 1.5, "abc", True, None, "1e6", "", "\u0661\u0662", 2**31, "9" * 20],
 )
 def test_counts_rejected(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"^max_tombstones: expected a whole number > 0, got "):
+    with pytest.raises(ConfigError, match=r"^max_tombstones: expected a whole number > 0 and "):
         ProducerConfig.from_mapping({"max_tombstones": value})
 
 
@@ -551,12 +553,35 @@ def test_tls_pairing(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"^tls_key_file: not an existing file: '.*missing'$"):
         load_credentials(missing)
-    assert load_credentials(cfg).tls_cert == pem.encode()
     secret_file(tmp_path, "cert", "PEM")
     with pytest.raises(ConfigError, match=r"^tls_cert_file: .* holds no PEM block$"):
         load_credentials(cfg)  # a placeholder, not a certificate: one line, the key named
     with pytest.raises(ConfigError, match=r"^tls_cert_file: expected a path to a file"):
         ProducerConfig.from_mapping({"tls_cert_file": ""})
+
+
+def test_tls_material_that_a_server_cannot_use_is_a_config_error(tmp_path: Path) -> None:
+    """PEM that is not a certificate or key, a key of another certificate, a client CA that
+    is no certificate: each is refused when the credentials load, naming the keys (grpc would
+    fail the bind with "Failed to bind" and a traceback)."""
+    certs = make_certs(tmp_path / "real")
+    other = make_certs(tmp_path / "other")
+    garbage = secret_file(
+        tmp_path, "garbage", "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n"
+    )
+
+    def config(cert: object, key: object, ca: object = None) -> ProducerConfig:
+        files = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+        return ProducerConfig.from_mapping(files | ({"tls_client_ca_file": str(ca)} if ca else {}))
+
+    good = load_credentials(config(certs.server_cert, certs.server_key, certs.ca))
+    assert good.tls_cert == certs.server_cert.read_bytes()
+    for cert, key in ((garbage, certs.server_key), (certs.server_cert, garbage),
+                      (certs.server_cert, other.server_key)):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"^tls_cert_file / tls_key_file: not a usable"):
+            load_credentials(config(cert, key))
+    with pytest.raises(ConfigError, match=r"^tls_client_ca_file: .* holds no usable CA"):
+        load_credentials(config(certs.server_cert, certs.server_key, garbage))
 
 
 # --- exposure rule ------------------------------------------------------------------------
