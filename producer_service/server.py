@@ -178,15 +178,17 @@ class ProducerServer:
             server,
         )
         self.port = self._bind(server)
+        # Every port is taken before the server starts: a metrics port in use ends the start
+        # here, before health says SERVING and with no gRPC server left running.
+        metrics_address = self.config.metrics_address
+        if metrics_address is not None:
+            self.metrics_port = self.metrics.serve(metrics_address.host, metrics_address.port)
         self._start_transports()
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever(), name="kvpark-reaper")
-        metrics_address = self.config.metrics_address
-        if metrics_address is not None:
-            self.metrics_port = self.metrics.serve(metrics_address.host, metrics_address.port)
         log.info(
             "producer serving",
             extra={
