@@ -187,8 +187,9 @@ async def test_a_shared_buffer_that_runs_out_midway_raises_buffer_too_small(
 
 async def test_a_consumer_that_stops_reading_its_shm_fetch_is_cut_off(shm_socket: str) -> None:
     chunks = 240  # of 64 KiB: their ChunksPlaced messages outgrow a 1 KiB receive window
+    # Each chunk takes a whole 256 KiB page: the one batch holds 60 MiB of the pool's 64.
     async with running_producer(
-        pool_bytes=64 * MiB, shm_socket=shm_socket, fetch_stall_timeout_s=0.5
+        pool_bytes=64 * MiB, max_batch_share=1.0, shm_socket=shm_socket, fetch_stall_timeout_s=0.5
     ) as server:
         assert await asyncio.to_thread(park, server.target, "s", pattern(chunks, 64 * 1024))
         landing = SharedBuffer(chunks * 64 * 1024)

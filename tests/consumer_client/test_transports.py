@@ -872,8 +872,8 @@ async def test_many_tiny_chunks_go_over_shm_in_placements_any_client_can_receive
     chunks, where one message naming all of them (~95 KB) would be refused by the client."""
     n, size = 6000, 16
     data = [np.full(size, i % 251, np.uint8) for i in range(n)]
-    async with running_producer(
-        **{**SETTINGS, "pool_bytes": 1536 * MiB}, shm_socket=shm_socket
+    async with running_producer(  # the one batch holds 6,000 pages: most of the pool
+        **{**SETTINGS, "pool_bytes": 1536 * MiB, "max_batch_share": 1.0}, shm_socket=shm_socket
     ) as server:
 
         def run() -> tuple[Any, bytes]:
