@@ -352,6 +352,7 @@ class KVConsumer(ClientBase):
         watchdog = alarms.arm(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
         finished = False  # ... and the producer ended it: no copy of it is still running
+        interrupted = False  # a signal's exception cut the load off: see below
         try:
             step = Step.CONTINUE
             for raw in call:
@@ -387,11 +388,19 @@ class KVConsumer(ClientBase):
                     f"the producer refused the lent buffer: {exc.details()}", transport="shm"
                 ) from None
             session.rpc_failed(exc.code(), exc.details(), timed_out=watchdog.fired)
+        except BaseException as exc:
+            # KeyboardInterrupt or SystemExit from a signal handler can land inside grpc's own
+            # reading of the call, after it took an event and before it recorded it; grpc then
+            # still waits for that event, and draining the call would block for ever. Such a
+            # load leaves its call's native state (~20 KiB) behind instead.
+            interrupted = not isinstance(exc, Exception)
+            raise
         finally:
             alarms.disarm(watchdog)
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
-            _read_what_is_left(call)
+            if not interrupted:
+                _read_what_is_left(call)
             if session.shm is not None and not finished:
                 # Cut off: a copy into the caller's memory may still run; wait it out.
                 self._core.shm.settle(session.shm.lend_id, session.remaining_s())

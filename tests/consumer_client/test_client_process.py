@@ -1,10 +1,13 @@
-"""Against `python -m kvpark.producer` subprocesses, where a process must die or restart:
-a producer SIGKILLed mid-stream, and a restarted producer answering an old epoch."""
+"""Against `python -m kvpark.producer` subprocesses, where a process must die, restart or
+get a signal: a producer SIGKILLed mid-stream, a restarted producer answering an old epoch,
+and a decode worker interrupted by Ctrl-C mid-load."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -116,3 +119,55 @@ def test_restarted_producer_answers_epoch_mismatch_at_once(
         # The id itself died with the old process.
         assert client.lookup(["kv-1"])[0].state == "UNKNOWN"
         assert second.proc.poll() is None, "the new producer is still up"
+
+
+# The decode worker of the Ctrl-C test: loads `argv[2]` over the gRPC stream on its main
+# thread, says when the parked chunks have landed, and after the KeyboardInterrupt loads them
+# again on the same client.
+_INTERRUPTED_WORKER = """
+import sys
+from kvpark.client import KVConsumer
+
+target, kid, parked = sys.argv[1], sys.argv[2], int(sys.argv[3])
+landed = []
+
+def on_chunk(index, chunk_id, data):
+    landed.append(chunk_id)
+    if len(landed) == parked:
+        print("landed", flush=True)
+
+with KVConsumer(target, timeout=30, transport="grpc") as client:
+    try:
+        client.load(kid, num_chunks=parked + 1, on_chunk=on_chunk)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    again = client.load(kid, num_chunks=parked, timeout=10, confirm=False)
+    print("again", again.ok, again.chunks_loaded, flush=True)
+"""
+
+
+def test_ctrl_c_in_a_load_leaves_the_client_usable(producer_process: Start) -> None:
+    """Ctrl-C while a load on the main thread waits for its next chunk: the KeyboardInterrupt
+    reaches the caller at once, and the same client loads the id again. The signal lands
+    inside grpc's own reading of the call; draining that call afterwards used to block the
+    worker for ever."""
+    producer = producer_process(max_fetch_wait_s=60)
+    park_sync(producer.target, "ctrl-c", payload(4, 64 * 1024), total=5)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WORKER, producer.target, "ctrl-c", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == "landed"
+        worker.send_signal(signal.SIGINT)
+        output, _ = worker.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        raise AssertionError(f"the worker hung after Ctrl-C: {worker.communicate()[0]}") from None
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0, output
+    assert output.split("\n")[:2] == ["interrupted", "again True 4"], output
