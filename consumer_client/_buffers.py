@@ -15,9 +15,9 @@ list: a chunk that is several pieces of a paged cache). Each byte is copied once
 received message into its place, after the chunk's CRC32C matched. A buffer is anything
 writable and C-contiguous with the buffer protocol (numpy array of any dtype, bytearray,
 memoryview, mmap) or an object numpy can view without copying (`__array_interface__`, e.g.
-`tensor.numpy()` of a CPU tensor). A chunk that does not fit its destination is misuse (the
-engine sized its cache for KV of another shape): the Fetch is cancelled and
-`BufferTooSmallError` is raised.
+`tensor.numpy()` of a CPU tensor). A chunk that does not fit its destination, or does not fill
+a destination of several buffers exactly, is misuse (the engine sized its cache for KV of
+another shape or length): the Fetch is cancelled and `BufferTooSmallError` is raised.
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ class ChunkBuffers:
         self.nbytes = 0
 
     def parts_for(self, index: int, chunk_id: int, nbytes: int) -> list[memoryview]:
-        """The chunk's destination, asked of the sequence or the callable, trimmed to
-        `nbytes`."""
+        """The chunk's destination, asked of the sequence or the callable: one buffer trimmed
+        to `nbytes`, or several that `nbytes` fills exactly."""
         if self._function is not None:
             parts = _parts(self._function(chunk_id, nbytes), f"into({chunk_id}, {nbytes})")
         elif index < len(self._checked):
@@ -200,9 +200,13 @@ class ChunkBuffers:
                 bytes_loaded=self.nbytes,
             )
         room = sum(len(p) for p in parts)
-        if room < nbytes:
+        # Several parts are pieces of one chunk (each layer's K and V): a shorter chunk would
+        # spill each piece's bytes into the one before it, so it must fill them exactly. One
+        # buffer takes a chunk at its start, as the single-buffer form does.
+        if room < nbytes or (len(parts) > 1 and room != nbytes):
             raise BufferTooSmallError(
-                f"chunk {chunk_id} is {nbytes} bytes; its destination holds {room}",
+                f"chunk {chunk_id} is {nbytes} bytes; its destination holds {room}"
+                + ("" if room < nbytes else f" in {len(parts)} parts, which it must fill"),
                 needed=nbytes,
                 available=room,
                 chunks_loaded=index,
