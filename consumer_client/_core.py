@@ -39,6 +39,7 @@ from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
 from ._tcp import RETRY_AFTER_S, Fallback
 from ._timeouts import OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
+from .handle import MAX_FETCH_CHUNKS
 from .metrics import NO_POLICY, ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
@@ -550,8 +551,10 @@ def _chunk_ids(chunk_ids: Iterable[int] | None, num_chunks: int | None) -> tuple
     if num_chunks is not None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):
             raise UsageError(f"num_chunks: expected an int, got {num_chunks!r}")
-        if not 1 <= num_chunks <= MAX_CHUNKS:
-            raise UsageError(f"num_chunks: expected 1..2**32-1, got {num_chunks}")
+        if not 1 <= num_chunks <= MAX_FETCH_CHUNKS:
+            raise UsageError(
+                f"num_chunks: expected 1..{MAX_FETCH_CHUNKS} (one Fetch), got {num_chunks}"
+            )
         return tuple(range(num_chunks))
     if chunk_ids is None:
         return None  # all chunks of the id, as many as the producer has

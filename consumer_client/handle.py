@@ -29,6 +29,12 @@ from kvpark.pb import kvpark_pb2 as pb
 from ._errors import UsageError
 
 FORMAT_VERSION = 1
+# The most chunks one load asks for. A Fetch names them in its request, as packed varints:
+# ids 0..2**24-1 take 62 MiB there, within the client's default request limit
+# (DEFAULT_MAX_CHUNK_BYTES, 64 MiB), and far more than a producer serves in one Fetch (one per
+# page of its pool: 2**24 pages of 256 KiB are a 4 TiB pool). A larger `num_chunks` would only
+# build a list of ids no Fetch can carry.
+MAX_FETCH_CHUNKS = 2**24
 # The contract's Transport values by the names results, handles and options use.
 TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_GRPC: "grpc"}
 
@@ -52,13 +58,21 @@ class KVHandle:
         except ValueError as exc:
             raise UsageError(f"KVHandle.kv_request_id: {exc}") from None
         try:
-            Address.parse(self.producer)
+            port = Address.parse(self.producer).port
         except ValueError as exc:
             raise UsageError(f"KVHandle.producer: {exc}, got {self.producer!r}") from None
-        for name, bits in (("producer_epoch", 64), ("num_chunks", 32), ("nbytes", 64)):
+        if port == 0:
+            raise UsageError(f"KVHandle.producer: port 0 cannot be dialed, got {self.producer!r}")
+        # num_chunks 0: not known (the load takes all the id's chunks); more than one Fetch
+        # carries could never be loaded.
+        for name, low, high in (
+            ("num_chunks", 0, MAX_FETCH_CHUNKS),
+            ("producer_epoch", 0, 2**64 - 1),
+            ("nbytes", 0, 2**64 - 1),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
-                raise UsageError(f"KVHandle.{name}: expected 0..2**{bits}-1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise UsageError(f"KVHandle.{name}: expected {low}..{high}, got {value!r}")
         unknown = [t for t in self.transports if t not in TRANSPORT_NAMES.values()]
         if unknown:
             raise UsageError(f"KVHandle.transports: unknown {unknown}")
@@ -93,6 +107,8 @@ class KVHandle:
         host, port = data["remote_host"], data["remote_port"]
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             raise UsageError(f"KV handle: bad remote_host/remote_port {host!r}:{port!r}")
+        if not 1 <= port <= 65535:
+            raise UsageError(f"KV handle: remote_port {port} is not a port to dial (1..65535)")
         if host.startswith("[") and host.endswith("]"):  # an IPv6 host written as in a URL
             host = host[1:-1]
         transports = data.get("transports", ["grpc"])

@@ -31,6 +31,7 @@ from kvpark import (
     Timeout,
     UsageError,
 )
+from kvpark.client.handle import MAX_FETCH_CHUNKS
 
 
 # ==================================================================================== handles
@@ -58,6 +59,9 @@ def test_handle_round_trips_through_dict_and_json_and_ignores_a_routers_own_keys
         ({"kv_request_id": 42}, "kv_request_id"),
         ({"kv_request_id": "bad\nid"}, "kv_request_id"),
         ({"num_chunks": 2**32}, "num_chunks"),
+        ({"num_chunks": MAX_FETCH_CHUNKS + 1}, "num_chunks"),
+        ({"remote_port": 0}, "remote_port"),
+        ({"remote_port": 65536}, "remote_port"),
         ({"producer_epoch": 2**64}, "producer_epoch"),
     ],
 )
@@ -69,6 +73,21 @@ def test_a_malformed_handle_is_a_usage_error_naming_the_key(change: dict, named:
         KVHandle.from_dict(data)
     with pytest.raises(UsageError, match="not JSON"):
         KVHandle.from_json("{nope")
+
+
+def test_a_handle_names_a_port_it_can_dial() -> None:
+    with pytest.raises(UsageError, match="port 0 cannot be dialed"):
+        KVHandle("r", "10.0.3.7:0", 1, 1, 1)
+
+
+async def test_a_load_asks_for_at_most_the_chunks_one_fetch_carries() -> None:
+    # The handle's bound is the load's: a handle that passes is a load that can be asked for.
+    assert KVHandle("r", "h:1", 1, MAX_FETCH_CHUNKS, 1).num_chunks == MAX_FETCH_CHUNKS
+    async with running_producer() as server:
+        async with AsyncKVConsumer(server.target, timeout=Timeout(5)) as consumer:
+            with pytest.raises(UsageError, match=f"num_chunks: expected 1..{MAX_FETCH_CHUNKS}"):
+                await consumer.load("r", num_chunks=MAX_FETCH_CHUNKS + 1)
+        assert server.lot.bound_count == 0
 
 
 async def test_a_parks_handle_names_the_advertised_producer_or_the_dialed_one() -> None:
