@@ -18,6 +18,7 @@ never closed under its user.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,8 @@ C = TypeVar("C", KVConsumer, AsyncKVConsumer)
 DEFAULT_MAX_PRODUCERS = 64
 DEFAULT_IDLE_CLOSE_S = 300.0
 Handle = KVHandle | Mapping[str, Any] | str
+# What the pool's argument check builds its client for: the address is only dialed on a call.
+_ANY_TARGET = "localhost:1"
 
 
 def _what(handle: KVHandle, chunk_ids: Iterable[int] | None = None) -> dict[str, Any]:
@@ -51,6 +54,17 @@ def _what(handle: KVHandle, chunk_ids: Iterable[int] | None = None) -> dict[str,
 def _close_all(clients: list[KVConsumer]) -> None:
     for client in clients:
         client.close()
+
+
+def _check_client_args(factory: Callable[..., C], client_args: dict[str, Any]) -> None:
+    """UsageError now, at the pool's construction, for arguments every client it creates
+    would refuse: a client is built with them and dropped. Building one opens nothing (its
+    channel opens on first use), so there is nothing to close."""
+    try:
+        inspect.signature(factory).bind(_ANY_TARGET, **client_args)
+    except TypeError as exc:  # a keyword the clients do not take
+        raise UsageError(f"{factory.__name__} arguments: {exc}") from None
+    factory(_ANY_TARGET, **client_args)
 
 
 @dataclass(slots=True)
@@ -78,8 +92,11 @@ class _Pool(Generic[C]):
     ) -> None:
         if isinstance(max_producers, bool) or not isinstance(max_producers, int):
             raise UsageError(f"max_producers: expected an int >= 1, got {max_producers!r}")
+        if isinstance(idle_close_s, bool) or not isinstance(idle_close_s, int | float):
+            raise UsageError(f"idle_close_s: expected seconds > 0, got {idle_close_s!r}")
         if max_producers < 1 or not idle_close_s > 0:
             raise UsageError("max_producers must be >= 1 and idle_close_s > 0")
+        _check_client_args(factory, client_args)
         self._factory: Callable[..., C] = factory
         self._client_args = client_args
         self._max = max_producers

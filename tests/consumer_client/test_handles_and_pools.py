@@ -215,6 +215,27 @@ def test_pool_bounds_are_checked() -> None:
     for bad in ({"max_producers": 0}, {"max_producers": 1.5}, {"idle_close_s": 0}):
         with pytest.raises(UsageError):
             ConsumerPool(**bad)
+    for pool in (ConsumerPool, AsyncConsumerPool):
+        with pytest.raises(UsageError, match="idle_close_s"):
+            pool(idle_close_s="300")
+
+
+@pytest.mark.parametrize("pool", [ConsumerPool, AsyncConsumerPool])
+@pytest.mark.parametrize(
+    ("client_args", "named"),
+    [
+        ({"timeuot": 5}, "timeuot"),
+        ({"transport": "tpc"}, "transport"),
+        ({"timeout": "5"}, "timeout"),
+        ({"max_chunk_bytes": 0}, "max_chunk_bytes"),
+    ],
+)
+def test_a_pool_refuses_client_arguments_its_clients_would(
+    pool: type, client_args: dict, named: str
+) -> None:
+    # At construction, not on every load after it (where even policy="recompute" raises).
+    with pytest.raises(UsageError, match=named):
+        pool(**client_args)
 
 
 # ==================================================================================== metrics
