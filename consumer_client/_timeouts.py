@@ -5,7 +5,8 @@
 - `None` means no limit, wherever it is accepted (the client's or a call's).
 - A number means that many seconds in all (`Timeout(total_s=n)`).
 
-`Timeout` has three limits, each optional, all measured from the start of the call:
+`Timeout` has three limits, each optional, all measured from the start of the call, each at
+most a week (`kvpark.durations.MAX_SECONDS`):
 
 - `total_s` (default 30 s, the reference's load timeout): the whole call. It travels as the
   gRPC deadline, so the producer learns it too. A unary call's deadline is this value.
@@ -27,6 +28,8 @@ import enum
 import math
 from dataclasses import dataclass
 from typing import Final
+
+from kvpark.durations import MAX_SECONDS
 
 from ._errors import UsageError
 
@@ -62,6 +65,10 @@ def _check_seconds(name: str, value: float | None, *, allow_zero: bool = False) 
     if not (math.isfinite(value) and low_ok):
         bound = ">= 0" if allow_zero else "> 0"
         raise UsageError(f"Timeout.{name}: expected finite seconds {bound}, got {value!r}")
+    if value > MAX_SECONDS:
+        raise UsageError(
+            f"Timeout.{name}: expected at most {MAX_SECONDS} seconds (one week), got {value!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
