@@ -16,6 +16,7 @@ import grpc
 from grpc.experimental import ChannelOptions
 
 from ._errors import UsageError
+from ._guarded_channel import GuardedChannel
 
 # Room for a message's framing around a max_chunk_bytes payload (a few bytes are needed; the
 # producer uses the same margin).
@@ -122,7 +123,7 @@ class ChannelSettings:
         else:
             channel = grpc.insecure_channel(self.target, options)
         if self.interceptors:
-            channel = grpc.intercept_channel(channel, *self.interceptors)
+            channel = grpc.intercept_channel(GuardedChannel(channel), *self.interceptors)
         return channel
 
     def open_aio(self) -> grpc.aio.Channel:

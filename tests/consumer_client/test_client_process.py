@@ -1,6 +1,6 @@
 """Against `python -m kvpark.producer` subprocesses, where a process must die, restart or
 get a signal: a producer SIGKILLed mid-stream, a restarted producer answering an old epoch,
-and a decode worker interrupted by Ctrl-C mid-load."""
+a decode worker interrupted by Ctrl-C mid-load, and one that must not crash on close."""
 
 from __future__ import annotations
 
@@ -171,3 +171,50 @@ def test_ctrl_c_in_a_load_leaves_the_client_usable(producer_process: Start) -> N
             worker.wait()
     assert worker.returncode == 0, output
     assert output.split("\n")[:2] == ["interrupted", "again True 4"], output
+
+
+# The decode worker of the close test: its interceptor holds the first Release (the load's
+# background confirmation) until the client is closed, as an auth refresh or a retry's back-off
+# would; the confirmation then goes on into a closed channel.
+_HELD_CONFIRM_WORKER = """
+import sys, threading
+import grpc
+from kvpark.client import KVConsumer
+
+target, kid = sys.argv[1], sys.argv[2]
+entered, go_on = threading.Event(), threading.Event()
+
+class HoldFirstRelease(grpc.UnaryUnaryClientInterceptor):
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/Release") and not entered.is_set():
+            entered.set()
+            go_on.wait(30)
+        return continuation(details, request)
+
+client = KVConsumer(target, timeout=30, interceptors=[HoldFirstRelease()])
+print("loaded", client.load(kid, num_chunks=1).ok, flush=True)
+assert entered.wait(30)
+client.close()
+go_on.set()
+for thread in threading.enumerate():
+    if thread.name.startswith("kvpark-confirm"):
+        thread.join(30)
+print("closed", client.lookup is not None, flush=True)
+"""
+
+
+def test_a_confirmation_held_in_an_interceptor_past_close_does_not_crash(
+    producer_process: Start,
+) -> None:
+    """A client with an interceptor is closed while its background confirmation is still in
+    the interceptor; the confirmation then meets a closed channel and is dropped. grpc builds
+    each intercepted call on the channel anew, and building one on a closed channel crashed
+    the whole worker with a segmentation fault."""
+    producer = producer_process()
+    park_sync(producer.target, "held", payload(1, 1000))
+    worker = subprocess.run(
+        [sys.executable, "-c", _HELD_CONFIRM_WORKER, producer.target, "held"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert worker.stdout.split("\n")[:2] == ["loaded True", "closed True"], worker.stdout
