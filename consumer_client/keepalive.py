@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from kvpark.durations import MAX_SECONDS
+
 from ._core import extend_seconds, valid_id
 from ._errors import ClientClosedError, KVParkError, UsageError
 from ._models import IdStatus
@@ -65,10 +67,16 @@ class _KeepAliveState:
     """The id set and bookkeeping, shared by the thread and the task runners."""
 
     def __init__(self, ids: Iterable[str], interval_s: float | None, extend_s: float) -> None:
+        # bool is an int subclass: `True` is a bug, not one second.
         if interval_s is not None and not (
-            isinstance(interval_s, int | float) and 0 < interval_s < float("inf")
+            isinstance(interval_s, int | float)
+            and not isinstance(interval_s, bool)
+            and 0 < interval_s <= MAX_SECONDS
         ):
-            raise UsageError(f"interval_s: expected seconds > 0, got {interval_s!r}")
+            raise UsageError(
+                f"interval_s: expected seconds > 0 and <= {MAX_SECONDS} (one week), "
+                f"got {interval_s!r}"
+            )
         self.interval_s = interval_s
         self.extend_s = extend_seconds(extend_s)
         # Insertion-ordered set of ids to renew; mutated by add/discard (any thread) and by
