@@ -96,7 +96,12 @@ class KVLayout:
             resolved = np.dtype(dtype)
         except TypeError as exc:
             raise ValueError(f"dtype: {exc}") from None
-        if resolved.hasobject or resolved.fields is not None or resolved.subdtype is not None:
+        if dtype is None:
+            # np.dtype(None) is float64: a missing dtype, not a choice.
+            raise ValueError("dtype must be a plain numeric type, got None")
+        # Booleans, integers, floats and complex only: bytes, text, datetimes, objects and
+        # void (raw, structured or sub-array) are not a cache's elements.
+        if resolved.kind not in "biufc":
             raise ValueError(f"dtype must be a plain numeric type, got {resolved}")
         if resolved.itemsize == 0:
             raise ValueError(f"dtype {resolved} has no fixed size")
@@ -308,6 +313,10 @@ class PagedKVCache:
             row = (layout.tokens_per_chunk, layout.num_kv_heads, layout.head_dim)
             array = _check_array(f"layers[{index}]", layer, layout, (2, num_blocks, *row))
             num_blocks = array.shape[1]
+            for other in range(index):
+                # Layers in one memory would overwrite each other's KV on load.
+                if np.shares_memory(array, self.layers[other]):
+                    raise ValueError(f"layers[{other}] and layers[{index}] share memory")
         object.__setattr__(self, "layers", tuple(self.layers))
         assert num_blocks is not None
         try:

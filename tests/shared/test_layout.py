@@ -249,6 +249,11 @@ def test_no_tokens_is_no_chunks() -> None:
         ({"dtype": [("a", "f2")]}, "plain numeric type"),
         ({"dtype": ">f2" if np.little_endian else "<f2"}, "byte order"),
         ({"dtype": "not-a-dtype"}, "dtype"),
+        ({"dtype": None}, "plain numeric type, got None"),
+        ({"dtype": "S4"}, "plain numeric type"),
+        ({"dtype": "U1"}, "plain numeric type"),
+        ({"dtype": "M8[s]"}, "plain numeric type"),
+        ({"dtype": "V8"}, "plain numeric type"),
     ],
 )
 def test_bad_layouts_are_refused(kwargs: dict[str, Any], message: str) -> None:
@@ -293,6 +298,16 @@ def _layers(count: int = 3, blocks: int = 4, dtype: Any = np.float16) -> list[An
     return [np.zeros((2, blocks, 5, 2, 4), dtype) for _ in range(count)]
 
 
+def _overlapping_layers() -> list[Any]:
+    """Three layers, the last two views of one buffer a few elements apart."""
+    size = 2 * 4 * 5 * 2 * 4
+    buffer = np.zeros(size + 8, np.float16)
+    return [_layers(1)[0], buffer[:size].reshape(2, 4, 5, 2, 4), buffer[8:].reshape(2, 4, 5, 2, 4)]
+
+
+_ONE_LAYER = _layers(1)[0]
+
+
 @pytest.mark.parametrize(
     ("layers", "table", "message"),
     [
@@ -315,6 +330,8 @@ def _layers(count: int = 3, blocks: int = 4, dtype: Any = np.float16) -> list[An
         (_layers(), [0, -1, 1], r"block_table\[1\] = -1"),
         (_layers(), [2, 0, 2], "maps two chunks to one block"),
         (_layers(), [0, 1.0, 2], "integer block ids"),
+        ([_ONE_LAYER, *_layers(1), _ONE_LAYER], [0, 1, 2], r"layers\[0\] and layers\[2\] share"),
+        (_overlapping_layers(), [0, 1, 2], r"layers\[1\] and layers\[2\] share memory"),
     ],
 )
 def test_bad_paged_caches_are_refused(layers: Any, table: Any, message: str) -> None:
