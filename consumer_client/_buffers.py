@@ -57,6 +57,8 @@ def byte_view(into: Any, what: str = "into", *, writable: bool = True) -> ByteAr
             if not view.c_contiguous:
                 raise UsageError(f"{what}: the buffer is not C-contiguous")
             array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    if array.dtype.hasobject:  # its bytes are pointers to Python objects, not data
+        raise UsageError(f"{what}: an array of dtype {array.dtype} holds references, not bytes")
     if not array.flags.c_contiguous:
         raise UsageError(f"{what}: the array is not C-contiguous")
     if writable and not array.flags.writeable:

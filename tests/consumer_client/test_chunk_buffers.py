@@ -1,6 +1,7 @@
 """Per-chunk destinations against a real producer: a chunk must fill a destination of several
 buffers (a paged cache's per-layer K and V runs) exactly, so KV of another prompt length is
-refused with the id kept rather than landing shifted across the pieces."""
+refused with the id kept rather than landing shifted across the pieces; and what is no
+buffer of bytes is refused as misuse."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy.typing as npt
 import pytest
 from conftest import running_producer
 
-from kvpark import AsyncKVConsumer, AsyncKVParker, BufferTooSmallError, Timeout
+from kvpark import AsyncKVConsumer, AsyncKVParker, BufferTooSmallError, Timeout, UsageError
 from kvpark.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=np.float16, tokens_per_chunk=16)
@@ -58,3 +59,10 @@ async def test_one_buffer_per_chunk_still_takes_a_shorter_chunk_at_its_start() -
             result = await consumer.load("kv", num_chunks=2, into=buffers)
     assert result.ok, result
     assert buffers[1][:40].tobytes() == b"b" * 40 and not buffers[1][40:].any()
+
+
+async def test_an_array_of_objects_is_not_a_destination() -> None:
+    async with AsyncKVConsumer("h:1") as consumer:
+        for into in (np.empty(8, object), [np.empty(8, object)], [[np.empty(8, object)]]):
+            with pytest.raises(UsageError, match="holds references"):
+                await consumer.load("kv", num_chunks=1, into=into)
