@@ -14,6 +14,7 @@ docs/architecture.md maps the modules; docs/protocol.md is the contract.
 from __future__ import annotations
 
 from .client import (
+    USE_CLIENT_DEFAULT,
     AsyncConsumerPool,
     AsyncKVConsumer,
     AsyncKVParker,
@@ -46,6 +47,7 @@ from .client import (
 from .version import __version__
 
 __all__ = [
+    "USE_CLIENT_DEFAULT",
     "AsyncConsumerPool",
     "AsyncKVConsumer",
     "AsyncKVParker",
