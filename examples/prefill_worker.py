@@ -157,7 +157,9 @@ def park_prefix_then_preempted(
     if not first.ok:
         return [first]
     try:
-        # A streamed batch (`parker.batch`) sends its chunks inline over the gRPC stream.
+        # A streamed batch (`parker.batch`) sends each chunk as it is put: one in the parker's
+        # shared buffer (the chunks here, on Linux) goes by reference, the producer copying it
+        # from that buffer; any other goes inline over the gRPC stream.
         with parker.batch(kid, total_chunks=total) as rest:
             rest.put(prefix, kv.chunk(prefix))
             # An exception inside the block: no commit is sent, the call is cancelled, and the
