@@ -23,6 +23,7 @@ from .config_values import (
     ConfigError,
     choice,
     parse_address,
+    parse_advertised_address,
     parse_bool,
     parse_bytes,
     parse_count,
@@ -57,6 +58,7 @@ class _Kind:
 
 _ADDRESS = _Kind(parse_address, "HOST:PORT", "network")
 _OPTIONAL_ADDRESS = _Kind(parse_optional_address, "HOST:PORT", "network")
+_ADVERTISED_ADDRESS = _Kind(parse_advertised_address, "HOST:PORT", "network")
 _BYTES = _Kind(parse_bytes, "SIZE", "memory")
 _SECONDS = _Kind(parse_seconds, "SECONDS", "timeouts and limits")
 _COUNT = _Kind(parse_count, "COUNT", "timeouts and limits")
@@ -131,7 +133,7 @@ class ProducerConfig:
     advertise_address: str = field(
         default="",
         metadata=_key(
-            _OPTIONAL_ADDRESS,
+            _ADVERTISED_ADDRESS,
             "host:port decode workers dial to reach this producer, published in ServerInfo and "
             "in KV handles; empty: not published",
         ),

@@ -183,6 +183,18 @@ def parse_optional_address(key: str, value: object) -> str:
     return parse_address(key, value)
 
 
+def parse_advertised_address(key: str, value: object) -> str:
+    """An address other hosts dial, or "" for none: a wildcard host or port 0 only mean
+    something to a listener, and a handle naming one could never be dialled."""
+    text = parse_optional_address(key, value)
+    if text:
+        address = Address.parse(text)
+        if address.is_wildcard or address.port == 0:
+            expected = "a host and port other hosts can dial (no wildcard host, no port 0)"
+            raise _bad(key, expected, value)
+    return text
+
+
 def parse_optional_file(key: str, value: object) -> str | None:
     # None (JSON null, the default) leaves the key unset; "" is refused rather than read as
     # "unset", so a template that renders an empty path cannot silently switch TLS or auth off.

@@ -307,6 +307,18 @@ def test_addresses_rejected(key: str, address: object) -> None:
     assert repr(address) in str(info.value)
 
 
+@pytest.mark.parametrize("address", ["0.0.0.0:50051", "[::]:50051", "10.0.0.7:0"])
+def test_advertise_address_must_be_dialable(address: str) -> None:
+    """A wildcard host or port 0 means something only to a listener: published in handles,
+    it would send every decode worker to an address that reaches nothing."""
+    with pytest.raises(ConfigError) as info:
+        ProducerConfig.from_mapping({"advertise_address": address})
+    assert str(info.value).startswith("advertise_address: expected a host and port other hosts")
+    assert repr(address) in str(info.value)
+    for good in ("", "10.0.0.7:50051", "[fd00::7]:50051", "prefill-0.kv:50051"):
+        assert ProducerConfig.from_mapping({"advertise_address": good}).advertise_address == good
+
+
 def test_metrics_listen_empty_disables_and_must_not_clash_with_listen() -> None:
     assert ProducerConfig.from_mapping({"metrics_listen": ""}).metrics_address is None
     assert ProducerConfig.from_mapping({"metrics_listen": "[::1]:9"}).metrics_address == Address(
