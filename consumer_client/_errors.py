@@ -31,9 +31,10 @@ class UsageError(KVParkError, ValueError):
 
 
 class BufferTooSmallError(UsageError):
-    """The producer's chunks do not fit in the caller's `into` buffer (it was sized for KV of
-    another shape: a bug or a prefill/decode configuration mismatch, so it is raised rather
-    than silently recomputed). The Fetch is cancelled and the delivery is not confirmed, so the
+    """The producer's chunks do not fit in the caller's `into` buffer, or a chunk does not
+    exactly fill a destination given as several buffers (it was sized for KV of another shape:
+    a bug or a prefill/decode configuration mismatch, so it is raised rather than silently
+    recomputed). The Fetch is cancelled and the delivery is not confirmed, so the
     producer keeps the bytes: the id goes back to where it was (PARKED with its lease, or
     DELIVERED with its grace), or, if every chunk had been sent, stays DELIVERED for
     `delivery_grace_s`; either way a retry with a larger buffer can load it meanwhile.

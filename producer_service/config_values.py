@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from kvpark.address import Address
+from kvpark.durations import MAX_SECONDS  # every seconds value: longer is a typo (ms for s)
 
-# Upper bound of every seconds value: anything longer is a typo (ms for s), not a lease.
-MAX_SECONDS = 7 * 24 * 3600
 # Byte sizes travel as uint64 in ServerInfo and index int64 numpy buffers.
 _MAX_BYTES = 2**63 - 1
 _REPR_LIMIT = 120

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from tls_certs import make_certs
 
 from kvpark.address import Address
+from kvpark.durations import MAX_SECONDS
 from kvpark.producer.config import KEYS, ProducerConfig
 from kvpark.producer.config_sources import CONFIG_ENV_VAR, build_arg_parser, load_config
-from kvpark.producer.config_values import MAX_SECONDS, ConfigError
+from kvpark.producer.config_values import ConfigError
 from kvpark.producer.credentials import load_credentials
 
 SECONDS_KEYS = [name for name, spec in KEYS.items() if spec.metavar == "SECONDS"]
