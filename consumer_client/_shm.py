@@ -15,7 +15,6 @@ a worker without shared memory pays for the attempt once, not on every load.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -76,6 +75,9 @@ class ShmAccess:
         self._buffers: list[SharedBuffer] = []  # handed out by shared_buffer(), closed with us
         self._staging: SharedBuffer | None = None
         self._staging_busy = False
+        # Lends to end whose release could not be sent in the time a call had: the next lend
+        # sends them (else the producer would keep their memory until the connection ends).
+        self._unreleased: list[str] = []
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
         self._down_until = 0.0
@@ -108,10 +110,11 @@ class ShmAccess:
         if found is None:
             return None
         buffer, offset, length = found
-        lend_id = self._lend(buffer, timeout_s)
-        if lend_id is None:
+        view = _mapping_of(buffer)
+        lend_id = None if view is None else self._lend(buffer, timeout_s)
+        if view is None or lend_id is None:
             return None
-        return self._for_one_call(lend_id), buffer.array.data, offset, length
+        return self._for_one_call(lend_id), view, offset, length
 
     def sole_lend(self, timeout_s: float | None = None) -> str | None:
         """The lend id of this client's only shared buffer (lent now if it was not yet);
@@ -127,6 +130,7 @@ class ShmAccess:
         """A lent buffer of at least `nbytes` for one call at a time (memory that is not in a
         shared buffer goes through it), or None when lending does not work or it is busy.
         Give it back with `unstage`."""
+        deadline = _deadline(timeout_s)
         with self._lock:
             if self._staging_busy or self._closed:
                 return None
@@ -139,15 +143,22 @@ class ShmAccess:
             except BaseException:
                 self.unstage()  # out of memory or descriptors: not busy for ever
                 raise
-            if old is not None:
-                self._forget(old)
             with self._lock:
-                self._staging = buffer
-        lend_id = self._lend(buffer, timeout_s)
-        if lend_id is None:
+                closed = self._closed
+                if not closed:
+                    self._staging = buffer
+            if closed:  # close() ran meanwhile and would not see this buffer
+                buffer.close()
+                self.unstage()
+                return None
+            if old is not None:
+                self._forget(old, deadline)
+        view = _mapping_of(buffer)
+        lend_id = None if view is None else self._lend(buffer, _left(deadline))
+        if view is None or lend_id is None:
             self.unstage()
             return None
-        return self._for_one_call(lend_id), buffer.array.data, buffer
+        return self._for_one_call(lend_id), view, buffer
 
     def unstage(self) -> None:
         with self._lock:
@@ -203,24 +214,29 @@ class ShmAccess:
 
     # ------------------------------------------------------------------------------ lending
     def _lend(self, buffer: SharedBuffer, timeout_s: float | None = None) -> str | None:
+        """The lend id of `buffer`, lent now if it was not yet; None when lending does not
+        work, or the client or the buffer closed meanwhile. Ending lends nobody uses any more
+        counts in `timeout_s` (None: HANDSHAKE_TIMEOUT_S for each request)."""
+        deadline = _deadline(timeout_s)
         with self._lock:
             if self._lender is not None and not self._lender.connected:
                 self._lends.clear()  # the connection ended, and every lend made over it
-            stale = self._stale_lends()
+                self._unreleased.clear()
+            unused = [*self._unreleased, *self._stale_lends()]
+            self._unreleased.clear()
             entry = self._lends.get(id(buffer))
             known = entry[1] if entry is not None else None
             lender = self._lender
-        if stale and lender is not None:
-            for lend_id in stale:
-                with contextlib.suppress(ShmUnavailable):
-                    lender.release(lend_id)
-        if known is not None or self._closed:
+        if unused and lender is not None:
+            self._release_unused(lender, unused, deadline)
+        if self._closed:
+            return None
+        if known is not None:
             return known
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        lender = self._connected(timeout_s)
+        lender = self._connected(_left(deadline))
         if lender is None:
             return None
-        left = None if deadline is None else deadline - time.monotonic()
+        left = _left(deadline)
         try:
             lend_id = lender.lend(buffer, self._role, left)
         except (ShmBusy, ShmDisconnected) as exc:
@@ -232,15 +248,34 @@ class ShmAccess:
         except ShmUnavailable as exc:
             self._down(f"lending a buffer failed: {exc}", exc, left)
             return None
+        except ValueError:
+            if buffer.closed:  # closed meanwhile (its client closed): nothing was sent
+                return None
+            raise
         with self._lock:
             entry = self._lends.get(id(buffer))
             if entry is None or entry[0]() is not buffer:
                 self._lends[id(buffer)] = (weakref.ref(buffer), lend_id)
                 return lend_id
             raced = lend_id  # another thread lent this buffer meanwhile: keep one lend
-        with contextlib.suppress(ShmUnavailable):
-            lender.release(raced)
+        self._release_unused(lender, [raced], deadline)
         return entry[1]
+
+    def _release_unused(
+        self, lender: ShmLender, lend_ids: list[str], deadline: float | None
+    ) -> None:
+        """Ends lends nobody uses any more, within what is left until `deadline` (None: each
+        request takes at most HANDSHAKE_TIMEOUT_S). A release that could not be sent in that
+        time is sent by the next lend; one sent and not answered in time is answered before
+        the connection's next request."""
+        for lend_id in lend_ids:
+            try:
+                lender.release(lend_id, _left(deadline))
+            except ShmBusy:
+                with self._lock:
+                    self._unreleased.append(lend_id)
+            except ShmUnavailable:
+                pass  # unanswered in time, or the connection ended and every lend with it
 
     def _stale_lends(self) -> list[str]:
         """Drops (with the lock held) the lends of buffers closed or collected; their ids."""
@@ -281,7 +316,8 @@ class ShmAccess:
                 self._down(f"shm socket {path} belongs to another producer (epoch {epoch})")
                 return None
             with self._lock:
-                self._lender, self._lends = lender, {}  # a new connection: earlier lends ended
+                # A new connection: the lends made over the last one ended with it.
+                self._lender, self._lends, self._unreleased = lender, {}, []
             return lender
         finally:
             self._connecting.release()
@@ -297,14 +333,14 @@ class ShmAccess:
         with self._lock:
             self._down_until = time.monotonic() + RETRY_AFTER_S
 
-    def _forget(self, buffer: SharedBuffer) -> None:
+    def _forget(self, buffer: SharedBuffer, deadline: float | None) -> None:
+        """Closes `buffer` and ends its lend, within what is left until `deadline`."""
         with self._lock:
             entry = self._lends.pop(id(buffer), None)
             lend_id = entry[1] if entry is not None else None
             lender = self._lender
         if lend_id is not None and lender is not None:
-            with contextlib.suppress(ShmUnavailable):
-                lender.release(lend_id)
+            self._release_unused(lender, [lend_id], deadline)
         buffer.close()
 
     def close(self) -> None:
@@ -317,3 +353,21 @@ class ShmAccess:
             lender.close()  # ends every lend
         for buffer in [*buffers, *([staging] if staging else [])]:
             buffer.close()
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _left(deadline: float | None) -> float | None:
+    """The time left until `deadline` (never negative); None when there is none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _mapping_of(buffer: SharedBuffer) -> memoryview | None:
+    """The whole of `buffer`, or None once it is closed (its client closed meanwhile). Taken
+    before a lend, the view keeps the mapping alive for the call that uses it."""
+    try:
+        return buffer.array.data
+    except ValueError:
+        return None
