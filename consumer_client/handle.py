@@ -64,10 +64,12 @@ class KVHandle:
         if port == 0:
             raise UsageError(f"KVHandle.producer: port 0 cannot be dialed, got {self.producer!r}")
         # num_chunks 0: not known (the load takes all the id's chunks); more than one Fetch
-        # carries could never be loaded.
+        # carries could never be loaded. Epochs are never 0, and a Fetch reads 0 as "any
+        # epoch": a handle with 0 would load from whatever process answers, even a restarted
+        # one that has another request under the same id.
         for name, low, high in (
             ("num_chunks", 0, MAX_FETCH_CHUNKS),
-            ("producer_epoch", 0, 2**64 - 1),
+            ("producer_epoch", 1, 2**64 - 1),
             ("nbytes", 0, 2**64 - 1),
         ):
             value = getattr(self, name)

@@ -44,7 +44,7 @@ class Request:
 
     kv_request_id: str
     # The park's handle: where the KV is. A request never parked has one the router guessed
-    # (the producer it would have used, epoch 0 = any).
+    # (the producer it would have used, at that producer's current epoch).
     handle: KVHandle
     chunk_bytes: int
 
@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ids", nargs="*", default=["req-1", "req-2", "req-3"])
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
-    parser.add_argument("--epoch", type=int, default=0, help="expected producer epoch")
+    parser.add_argument(
+        "--epoch", type=int, help="producer epoch the router saw (default: the producer's own)"
+    )
     parser.add_argument(
         "--self-test", action="store_true", help="park synthetic KV for all ids but the last"
     )
@@ -134,21 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     tune_allocator()  # multi-MiB messages: keep them off fresh mmaps (docs/performance.md)
 
-    def guessed(kid: str) -> KVHandle:
-        nbytes = args.chunks * args.chunk_bytes
-        return KVHandle(kid, args.target, args.epoch, args.chunks, nbytes)
-
-    requests = [Request(kid, guessed(kid), args.chunk_bytes) for kid in args.ids]
-    if args.self_test:
-        # All but the last are parked (the last is a miss); the router forwards each park's
-        # handle as JSON, as it would between processes.
-        requests[:-1] = [
-            dataclasses.replace(r, handle=KVHandle.from_json(park_synthetic(r).to_json()))
-            for r in requests[:-1]
-        ]
-
     # One client per producer, one timeout policy for all: 10 s total, 2 s to the first chunk.
     with ConsumerPool(timeout=Timeout(10, first_chunk_s=2)) as producers:
+        epoch = args.epoch
+        if epoch is None:
+            epoch = producers.client(args.target).server_info().producer_epoch
+
+        def guessed(kid: str) -> KVHandle:
+            nbytes = args.chunks * args.chunk_bytes
+            return KVHandle(kid, args.target, epoch, args.chunks, nbytes)
+
+        requests = [Request(kid, guessed(kid), args.chunk_bytes) for kid in args.ids]
+        if args.self_test:
+            # All but the last are parked (the last is a miss); the router forwards each
+            # park's handle as JSON, as it would between processes.
+            requests[:-1] = [
+                dataclasses.replace(r, handle=KVHandle.from_json(park_synthetic(r).to_json()))
+                for r in requests[:-1]
+            ]
         worker = DecodeWorker(producers)
         for request in requests:
             worker.submit(request)

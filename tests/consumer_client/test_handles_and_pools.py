@@ -53,6 +53,7 @@ def test_handle_round_trips_through_dict_and_json_and_ignores_a_routers_own_keys
         ({"kvpark": 2}, "format 2"),
         ({"remote_port": "50051"}, "remote_port"),
         ({"producer_epoch": -1}, "producer_epoch"),
+        ({"producer_epoch": 0}, "producer_epoch"),
         ({"num_chunks": True}, "num_chunks"),
         ({"transports": ["rdma"]}, "rdma"),
         ({"kv_request_id": None}, "kv_request_id"),
