@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -82,6 +82,25 @@ class _Watchdog:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+R = TypeVar("R")
+
+
+async def given_back_if_abandoned(job: asyncio.Future[R], give_back: Callable[[R], None]) -> R:
+    """The result of `job`, work on a thread that takes something its caller must give back
+    (the staging buffer, say). A caller cancelled meanwhile never gets that result, so it is
+    given back once the thread is done, else it would stay taken for ever."""
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(functools.partial(_give_back_unclaimed, give_back))
+        raise
+
+
+def _give_back_unclaimed(give_back: Callable[[R], None], job: asyncio.Future[R]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        give_back(job.result())
 
 
 def caller_cancelled() -> bool:
@@ -338,14 +357,12 @@ class AsyncKVConsumer(ClientBase):
         return await self._run(session, confirm)
 
     async def _begun(self, begin: Callable[[], LoadSession]) -> LoadSession:
-        """`begin()` on a load thread: ClientClosedError, as every call of a closed client
-        raises, once aclose has shut those threads down."""
+        """`begin()` on a load thread (ClientClosedError once aclose shut those down). A
+        caller cancelled meanwhile never gets the session, so what it holds (the staging
+        buffer, a turn to try TCP) is given back once the thread is done."""
         self._core.check_open()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._threads, begin)
-        except RuntimeError:  # "cannot schedule new futures after shutdown": closed meanwhile
-            self._core.check_open()
-            raise
+        begun = asyncio.get_running_loop().run_in_executor(self._threads, begin)
+        return await given_back_if_abandoned(begun, self._core.end_load)
 
     async def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""

@@ -1,10 +1,12 @@
 """Asyncio loads over shared memory into ordinary memory (through the client's staging buffer),
-against real producers: a load that needs a bigger staging buffer keeps to its timeout when
-the producer stopped answering.
+against real producers: a load cancelled while it lends the staging buffer gives it back,
+and a load that needs a bigger staging buffer keeps to its timeout when the producer stopped
+answering.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -14,10 +16,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import MiB, ProducerProcess
+from conftest import MiB, ProducerProcess, running_producer, wait_until
 from consumer_support import park_sync
 
-from kvpark import AsyncKVConsumer, Reason
+from kvpark import AsyncKVConsumer, AsyncKVParker, Reason
 
 # How far past its own timeout a load may return (its lends and settles included).
 MARGIN_S = 1.0
@@ -33,6 +35,34 @@ def shm_socket() -> Iterator[str]:
 def chunks(n: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, MiB, dtype=np.uint8) for _ in range(n)]
+
+
+async def test_a_load_cancelled_while_it_lends_the_staging_buffer_gives_it_back(
+    shm_socket: str,
+) -> None:
+    async with running_producer(shm_socket=shm_socket) as server:
+        assert server.shm is not None
+        async with AsyncKVParker(server.target, transport="grpc") as parker:
+            assert (await parker.park("kv", chunks(2))).ok
+        async with AsyncKVConsumer(server.target, transport="shm", confirm=False) as consumer:
+            shared = consumer.shared_buffer(2 * MiB)
+            assert (await consumer.load("kv", num_chunks=2, into=shared)).transport == "shm"
+            assert server.shm.lend_count == 1
+
+            async def over_shm_staged() -> bool:
+                result = await consumer.load("kv", num_chunks=2, into=np.empty(2 * MiB, np.uint8))
+                assert result.ok, result
+                return result.transport == "shm"
+
+            cancelled = asyncio.create_task(over_shm_staged())
+            await asyncio.sleep(0)  # it hands its begin step to a load thread
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            # That step went on, took the staging buffer and lent it.
+            await wait_until(lambda: server.shm.lend_count == 2, what="the staging buffer lent")
+            # Once it is done, loads into ordinary memory are staged again.
+            await wait_until(over_shm_staged, what="a load staged over shared memory")
 
 
 async def test_a_load_that_grows_the_staging_buffer_keeps_its_timeout_when_the_producer_stops(
