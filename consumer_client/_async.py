@@ -165,24 +165,30 @@ class AsyncKVConsumer(ClientBase):
         """Closes the channel: loads in flight end CANCELLED, other calls ClientClosedError.
         Confirmations already queued get up to CONFIRM_FLUSH_S to go out; then background
         work is cancelled (the producer frees unconfirmed ids after its delivery_grace_s).
-        Idempotent."""
-        confirms = [t for t in self._background if t.get_name() == _CONFIRM_TASK]
-        if confirms:  # before closing: they need the channel
-            await asyncio.wait(confirms, timeout=CONFIRM_FLUSH_S)
-        self._core.closed = True
-        for keep_alive in list(self._keep_alives):
-            keep_alive.client_closed()
-        tasks = list(self._background)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        channel, self._channel = self._channel, None
-        self._core.shm.close()
-        self._core.data_connections.close()
-        self._threads.shutdown(wait=False)
-        if channel is not None:
-            await channel.close()
+        Idempotent. Cancelled while it waits for those confirmations, it still closes."""
+        try:
+            confirms = [t for t in self._background if t.get_name() == _CONFIRM_TASK]
+            if confirms:  # before closing: they need the channel
+                await asyncio.wait(confirms, timeout=CONFIRM_FLUSH_S)
+        finally:
+            # Nothing from here to the first await yields to the loop, so no load starts a
+            # step on a client that is half closed.
+            self._core.closed = True
+            for keep_alive in list(self._keep_alives):
+                keep_alive.client_closed()
+            tasks = list(self._background)
+            for task in tasks:
+                task.cancel()
+            channel, self._channel = self._channel, None
+            self._core.shm.close()
+            self._core.data_connections.close()
+            self._threads.shutdown(wait=False)
+            try:
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                if channel is not None:
+                    await channel.close()
 
     async def __aenter__(self) -> AsyncKVConsumer:
         self._core.check_open()
