@@ -58,6 +58,8 @@ from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 _CONFIRM_TASK = "kvpark-confirm"
+# How a load in flight when the client closed says so (its reason is CANCELLED).
+_CLIENT_CLOSED = "client closed"
 # Threads for the blocking parts of loads (lending a buffer, reading a data connection): a
 # client's own, not asyncio's default executor (min(32, cpus + 4) threads, shared with the
 # application), so loads waiting on their data connections do not queue the others.
@@ -159,6 +161,9 @@ class AsyncKVConsumer(ClientBase):
         # dropped by its caller is no business of the client's).
         self._keep_alives: weakref.WeakSet[AsyncKeepAlive] = weakref.WeakSet()
         self._threads = ThreadPoolExecutor(MAX_LOAD_THREADS, thread_name_prefix="kvpark-load")
+        # The data connections loads are reading on those threads: aclose aborts them, as
+        # closing the channel cannot end a read of a socket of their own.
+        self._receivers: set[TcpReceiver] = set()
 
     # ---------------------------------------------------------------------------- lifecycle
     async def aclose(self) -> None:
@@ -176,6 +181,8 @@ class AsyncKVConsumer(ClientBase):
             self._core.closed = True
             for keep_alive in list(self._keep_alives):
                 keep_alive.client_closed()
+            for receiver in list(self._receivers):
+                receiver.abort()
             tasks = list(self._background)
             for task in tasks:
                 task.cancel()
@@ -372,19 +379,29 @@ class AsyncKVConsumer(ClientBase):
 
     async def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
-        _, fetch = self._stubs()
         try:
+            _, fetch = self._stubs()
             try:
                 await self._stream(fetch, session)
             except Fallback as why:
-                session = self._core.fall_back(session, why)
-                await self._stream(fetch, session)
+                # A data connection aborted by aclose falls back too: no stream to go on with.
+                if not self._closed_under(session):
+                    session = self._core.fall_back(session, why)
+                    await self._stream(fetch, session)
         finally:
             self._core.end_load(session)
         result = self._core.finish_load(session)
         if self._core.should_confirm(result, confirm):
             self._in_background(self._confirm_quietly(result), _CONFIRM_TASK)
         return result
+
+    def _closed_under(self, session: LoadSession) -> bool:
+        """Whether the client closed while this load was in flight; it then ends CANCELLED
+        (or ok, when every requested chunk is in and verified)."""
+        if not self.closed:
+            return False
+        session.rpc_failed(grpc.StatusCode.CANCELLED, _CLIENT_CLOSED, timed_out=False)
+        return True
 
     async def _stream(self, fetch: Any, session: LoadSession) -> None:
         call = fetch(
@@ -424,7 +441,7 @@ class AsyncKVConsumer(ClientBase):
                 raise  # our caller is being cancelled: the finally below cancels the call
             # The call itself was cancelled: by our watchdog, or by aclose().
             ended = True
-            detail = "client closed" if self.closed else "call cancelled"
+            detail = _CLIENT_CLOSED if self.closed else "call cancelled"
             session.rpc_failed(grpc.StatusCode.CANCELLED, detail, timed_out=watchdog.fired)
         finally:
             watchdog.disarm()
@@ -439,8 +456,8 @@ class AsyncKVConsumer(ClientBase):
                 )
 
     async def _receive(self, session: LoadSession) -> Step:
-        """Reads the data connection on a worker thread while the loop runs on; a cancel of
-        the caller closes the connection, which ends the thread."""
+        """Reads the data connection on a load thread while the loop runs on; a cancel of
+        the caller, or aclose, closes the connection, which ends the thread."""
         assert session.offer is not None
         receiver = TcpReceiver(
             session.offer,
@@ -450,14 +467,34 @@ class AsyncKVConsumer(ClientBase):
             self._core.tcp_worked,
             self._core.data_connections,
         )
-        loop = asyncio.get_running_loop()
-        reading = loop.run_in_executor(self._threads, receiver.run, session)
+        self._receivers.add(receiver)
         try:
-            return await asyncio.shield(reading)
+            run = functools.partial(receiver.run, session)
+            return await self._on_load_thread(session, run, receiver.abort)
+        finally:
+            self._receivers.discard(receiver)
+
+    async def _on_load_thread(
+        self, session: LoadSession, work: Callable[[], Step], stop: Callable[[], None] | None = None
+    ) -> Step:
+        """`work()`, a step of the load that writes into the caller's memory, on a load
+        thread. A cancel of the caller calls `stop` and waits for the thread all the same, so
+        no write lands after the load ended. Once the client closed (before or meanwhile),
+        the load ends CANCELLED and the step is ABANDON."""
+        if self._closed_under(session):  # its threads are shut down
+            return Step.ABANDON
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._threads, work)
+        try:
+            step = await asyncio.shield(running)
         except asyncio.CancelledError:
-            receiver.abort()
-            await asyncio.gather(reading, return_exceptions=True)
+            if stop is not None:
+                stop()
+            await asyncio.gather(running, return_exceptions=True)
             raise
+        if step is not Step.DONE and self._closed_under(session):
+            return Step.ABANDON
+        return step
 
     async def _confirm_quietly(self, result: LoadResult) -> None:
         try:
