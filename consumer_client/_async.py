@@ -414,7 +414,7 @@ class AsyncKVConsumer(ClientBase):
             step = Step.CONTINUE
             async for raw in call:
                 watchdog.disarm()
-                step = session.feed(raw)
+                step = await self._fed(session, raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
                     step = await self._receive(session)
                 if step is not Step.CONTINUE:
@@ -454,6 +454,15 @@ class AsyncKVConsumer(ClientBase):
                         self._core.shm.settle, session.shm.lend_id, session.remaining_s()
                     )
                 )
+
+    async def _fed(self, session: LoadSession, raw: bytes) -> Step:
+        """`session.feed(raw)`. A shared-memory load's messages name chunks already in memory:
+        verifying them, and copying them from the staging buffer, takes as long as the bytes
+        are many, so it runs on a load thread while the loop runs on, as a data connection's
+        reads do. A gRPC message carries one chunk and is fed on the loop."""
+        if session.shm is None:
+            return session.feed(raw)
+        return await self._on_load_thread(session, functools.partial(session.feed, raw))
 
     async def _receive(self, session: LoadSession) -> Step:
         """Reads the data connection on a load thread while the loop runs on; a cancel of

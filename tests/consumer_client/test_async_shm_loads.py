@@ -1,7 +1,7 @@
 """Asyncio loads over shared memory into ordinary memory (through the client's staging buffer),
-against real producers: a load cancelled while it lends the staging buffer gives it back,
-and a load that needs a bigger staging buffer keeps to its timeout when the producer stopped
-answering.
+against real producers: a load cancelled while it lends the staging buffer gives it back, a
+load that needs a bigger staging buffer keeps to its timeout when the producer stopped
+answering, and the copies out of the staging buffer run off the event loop.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -87,3 +88,26 @@ async def test_a_load_that_grows_the_staging_buffer_keeps_its_timeout_when_the_p
             os.kill(producer.proc.pid, signal.SIGCONT)
     assert result.reason is Reason.TIMEOUT, result
     assert elapsed < timeout + MARGIN_S, f"a {timeout}s load returned after {elapsed:.2f}s"
+
+
+async def test_chunks_are_copied_out_of_the_staging_buffer_off_the_event_loop(
+    shm_socket: str,
+) -> None:
+    """`on_chunk` runs right after a chunk was verified and copied into `into`: where it runs,
+    the copy ran."""
+    data = chunks(8, seed=3)
+    async with running_producer(shm_socket=shm_socket) as server:
+        async with AsyncKVParker(server.target, transport="grpc") as parker:
+            assert (await parker.park("kv", data)).ok
+        copied_on: set[int] = set()
+        async with AsyncKVConsumer(server.target, transport="shm") as consumer:
+            into = np.empty(8 * MiB, np.uint8)
+            result = await consumer.load(
+                "kv",
+                num_chunks=8,
+                into=into,
+                on_chunk=lambda *_: copied_on.add(threading.get_ident()),
+            )
+    assert result.ok and result.transport == "shm", result
+    assert into.tobytes() == b"".join(c.tobytes() for c in data)
+    assert copied_on and threading.get_ident() not in copied_on
