@@ -12,7 +12,8 @@ Answers: no or unknown token -> UNAUTHENTICATED; a valid token of the other role
 PERMISSION_DENIED. Neither answer depends on the id or says anything about it (the interceptor
 runs before the request is even read). Comparisons are constant-time (`hmac.compare_digest`)
 against every configured token, so timing does not tell which token was close. Health and
-reflection stay open so orchestrators can probe.
+reflection stay open so orchestrators can probe, with a bound on how many of their streams
+anyone may hold (kvpark.producer.open_streams).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import grpc
 
 from .logs import LOGGER_NAME, RateLimitedWarnings
+from .open_streams import OpenStreams
 from .servicer import SERVICE_NAME
 
 PARK_ROLE = "park"
@@ -67,6 +69,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # Refused calls are logged (code and peer, never the token) at most once per peer per
         # 10 s; the rest are counted through `on_suppressed("auth")` (the producer's metric).
         self._warnings = RateLimitedWarnings(logging.getLogger(LOGGER_NAME), on_suppressed)
+        self._open_streams = OpenStreams()
         self._tokens: dict[str, bytes] = {}
         if park_token:
             self._tokens[PARK_ROLE] = park_token.encode()
@@ -130,8 +133,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         service, _, method = details.method.lstrip("/").partition("/")
-        if service != SERVICE_NAME:
-            return await continuation(details)
+        if service != SERVICE_NAME:  # health and reflection: open, but only so many streams
+            return self._open_streams.bounded(await continuation(details))
         refusal = self.decide(method, details.invocation_metadata)
         if refusal is None:
             return await continuation(details)

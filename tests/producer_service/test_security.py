@@ -14,11 +14,13 @@ import grpc
 import pytest
 from conftest import channel_options, park_requests, running_producer, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tls_certs import make_certs
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 from kvpark.producer.logs import JsonFormatter
+from kvpark.producer.open_streams import OPEN_STREAMS
 
 PARK_TOKEN = "park-secret-7f3a9c"
 FETCH_TOKEN = "fetch-secret-1b2d4e"
@@ -100,6 +102,64 @@ async def test_tokens_by_role() -> None:
             health = health_pb2_grpc.HealthStub(ch)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_open_health_and_reflection_streams_cannot_take_the_token_holders_calls() -> None:
+    """Health Watch streams need no token and last as long as their caller likes. Thirty of
+    them against a server that serves 24 calls at once: only OPEN_STREAMS run, the rest are
+    refused RESOURCE_EXHAUSTED, and the token holder's calls and the probes' Check still get
+    through. Without the bound the streams took every call slot."""
+    async with running_producer(
+        park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN, max_concurrent_rpcs=24
+    ) as server:
+        async with grpc.aio.insecure_channel(server.target, options=channel_options()) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            watches = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(30)]
+            try:
+                outcomes = []
+                for watch in watches:
+                    try:
+                        first = await watch.read()
+                        outcomes.append(first.status == health_pb2.HealthCheckResponse.SERVING)
+                    except grpc.aio.AioRpcError as err:
+                        outcomes.append(err.code())
+                assert outcomes.count(True) == OPEN_STREAMS
+                assert outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 30 - OPEN_STREAMS
+                # Reflection streams count against the same bound.
+                assert await reflection_code(ch) == grpc.StatusCode.RESOURCE_EXHAUSTED
+                stub = pb_grpc.KVProducerStub(ch)
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=bearer(FETCH_TOKEN))
+                assert await call_code(info) == grpc.StatusCode.OK
+                check = await health.Check(health_pb2.HealthCheckRequest(service=""))
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+            finally:
+                for watch in watches:
+                    watch.cancel()
+
+            # The ended streams free their places: OPEN_STREAMS new ones run again.
+            async def all_run_again() -> bool:
+                again = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(OPEN_STREAMS)]
+                try:
+                    return all([await call_code(w.read()) == grpc.StatusCode.OK for w in again])
+                finally:
+                    for watch in again:
+                        watch.cancel()
+
+            for _ in range(200):  # the cancels reach the server soon after
+                if await all_run_again():
+                    break
+            else:
+                raise AssertionError("the cancelled streams never gave their places back")
+            assert await reflection_code(ch) == grpc.StatusCode.OK
+
+
+async def reflection_code(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    """How a server reflection stream listing the services ends."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    stream = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    return await call_code(stream.read())
 
 
 async def test_the_fetch_role_confirms_its_deliveries_and_gives_nothing_up() -> None:
