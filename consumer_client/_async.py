@@ -351,7 +351,9 @@ class AsyncKVConsumer(ClientBase):
         a new array), under `timeout`. Failures are values: see `LoadResult.reason`. Raises
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
-        the background unless `confirm` (default: the client's) is False."""
+        the background unless `confirm` (default: the client's) is False. `on_chunk` runs on
+        the event loop for a load over the gRPC stream, and on one of the client's worker
+        threads for a load over TCP or shared memory (the chunks are read and checked there)."""
         started = await aread_info_before_lending(self._core, self.server_info, timeout, into)
         # Off the event loop: lending a shared buffer can wait on the shm socket.
         begin = functools.partial(
