@@ -30,6 +30,7 @@ from kvpark.pb import kvpark_pb2_grpc
 
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
+    CLIENT_CLOSED,
     CONFIRM_FLUSH_S,
     CONFIRM_TIMEOUT_S,
     FETCH_METHOD,
@@ -58,8 +59,6 @@ from .metrics import ConsumerMetrics
 
 log = logging.getLogger("kvpark.client")
 _CONFIRM_TASK = "kvpark-confirm"
-# How a load in flight when the client closed says so (its reason is CANCELLED).
-_CLIENT_CLOSED = "client closed"
 # Threads for the blocking parts of loads (lending a buffer, reading a data connection): a
 # client's own, not asyncio's default executor (min(32, cpus + 4) threads, shared with the
 # application), so loads waiting on their data connections do not queue the others.
@@ -387,7 +386,7 @@ class AsyncKVConsumer(ClientBase):
                 await self._stream(fetch, session)
             except Fallback as why:
                 # A data connection aborted by aclose falls back too: no stream to go on with.
-                if not self._closed_under(session):
+                if not self._core.closed_under(session):
                     session = self._core.fall_back(session, why)
                     await self._stream(fetch, session)
         finally:
@@ -396,14 +395,6 @@ class AsyncKVConsumer(ClientBase):
         if self._core.should_confirm(result, confirm):
             self._in_background(self._confirm_quietly(result), _CONFIRM_TASK)
         return result
-
-    def _closed_under(self, session: LoadSession) -> bool:
-        """Whether the client closed while this load was in flight; it then ends CANCELLED
-        (or ok, when every requested chunk is in and verified)."""
-        if not self.closed:
-            return False
-        session.rpc_failed(grpc.StatusCode.CANCELLED, _CLIENT_CLOSED, timed_out=False)
-        return True
 
     async def _stream(self, fetch: Any, session: LoadSession) -> None:
         call = fetch(
@@ -443,7 +434,7 @@ class AsyncKVConsumer(ClientBase):
                 raise  # our caller is being cancelled: the finally below cancels the call
             # The call itself was cancelled: by our watchdog, or by aclose().
             ended = True
-            detail = _CLIENT_CLOSED if self.closed else "call cancelled"
+            detail = CLIENT_CLOSED if self.closed else "call cancelled"
             session.rpc_failed(grpc.StatusCode.CANCELLED, detail, timed_out=watchdog.fired)
         finally:
             watchdog.disarm()
@@ -492,7 +483,7 @@ class AsyncKVConsumer(ClientBase):
         thread. A cancel of the caller calls `stop` and waits for the thread all the same, so
         no write lands after the load ended. Once the client closed (before or meanwhile),
         the load ends CANCELLED and the step is ABANDON."""
-        if self._closed_under(session):  # its threads are shut down
+        if self._core.closed_under(session):  # its threads are shut down
             return Step.ABANDON
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._threads, work)
@@ -503,7 +494,7 @@ class AsyncKVConsumer(ClientBase):
                 stop()
             await asyncio.gather(running, return_exceptions=True)
             raise
-        if step is not Step.DONE and self._closed_under(session):
+        if step is not Step.DONE and self._core.closed_under(session):
             return Step.ABANDON
         return step
 

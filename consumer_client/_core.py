@@ -55,6 +55,8 @@ INFO_TIMEOUT_S = 10.0
 # its delivery_grace_s anyway).
 CONFIRM_TIMEOUT_S = 5.0
 CONFIRM_FLUSH_S = 2.0
+# How a load in flight when its client closed says so (its reason is CANCELLED).
+CLIENT_CLOSED = "client closed"
 _UINT64_MAX = 2**64 - 1
 
 Policy = Literal["recompute", "fail"]
@@ -219,6 +221,14 @@ class ClientCore:
     def check_open(self) -> None:
         if self.closed:
             raise ClientClosedError(f"the kvpark client for {self.target} is closed")
+
+    def closed_under(self, session: LoadSession) -> bool:
+        """Whether the client closed while this load was in flight; it then ends CANCELLED
+        (or ok, when every requested chunk is in and verified)."""
+        if not self.closed:
+            return False
+        session.rpc_failed(grpc.StatusCode.CANCELLED, CLIENT_CLOSED, timed_out=False)
+        return True
 
     def start_call(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Starts a call on a sync channel. A close() from another thread can shut the channel

@@ -129,6 +129,9 @@ class KVConsumer(ClientBase):
         # The keep-alives this client started, ended by its close (held weakly: a keep-alive
         # dropped by its caller is no business of the client's).
         self._keep_alives: weakref.WeakSet[KeepAlive] = weakref.WeakSet()
+        # The data connections loads are reading: close aborts them, as closing the channel
+        # ends the loads on the gRPC stream.
+        self._receivers: set[TcpReceiver] = set()
 
     # ---------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
@@ -143,6 +146,9 @@ class KVConsumer(ClientBase):
             self._core.closed = True  # from here on no call opens a channel, nothing queues
             confirmer, self._confirmer = self._confirmer, None
             channel, self._channel = self._channel, None
+            receivers = list(self._receivers)
+        for receiver in receivers:
+            receiver.abort()
         if confirmer is not None:
             confirmer.shutdown(wait=False, cancel_futures=True)
         for keep_alive in list(self._keep_alives):
@@ -332,8 +338,10 @@ class KVConsumer(ClientBase):
             try:
                 self._stream(fetch, session)
             except Fallback as why:
-                session = self._core.fall_back(session, why)
-                self._stream(fetch, session)
+                # A data connection aborted by close falls back too: no stream to go on with.
+                if not self._core.closed_under(session):
+                    session = self._core.fall_back(session, why)
+                    self._stream(fetch, session)
         finally:
             self._core.end_load(session)
         result = self._core.finish_load(session)
@@ -360,15 +368,7 @@ class KVConsumer(ClientBase):
                 step = session.feed(raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
                     assert session.offer is not None
-                    receiver = TcpReceiver(
-                        session.offer,
-                        self.target,
-                        self._core.data_tls,
-                        self._core.channel.tls_server_name,
-                        self._core.tcp_worked,
-                        self._core.data_connections,
-                    )
-                    step = receiver.run(session)
+                    step = self._receive(session)
                 if step is not Step.CONTINUE:
                     break
             else:
@@ -404,6 +404,33 @@ class KVConsumer(ClientBase):
             if session.shm is not None and not finished:
                 # Cut off: a copy into the caller's memory may still run; wait it out.
                 self._core.shm.settle(session.shm.lend_id, session.remaining_s())
+
+    def _receive(self, session: LoadSession) -> Step:
+        """Reads the data connection on the calling thread; close() aborts it, and the load
+        then ends CANCELLED."""
+        assert session.offer is not None
+        receiver = TcpReceiver(
+            session.offer,
+            self.target,
+            self._core.data_tls,
+            self._core.channel.tls_server_name,
+            self._core.tcp_worked,
+            self._core.data_connections,
+        )
+        with self._lock:
+            reading = not self._core.closed
+            if reading:
+                self._receivers.add(receiver)
+        if not reading and self._core.closed_under(session):
+            return Step.ABANDON
+        try:
+            step = receiver.run(session)
+        finally:
+            with self._lock:
+                self._receivers.discard(receiver)
+        if step is not Step.DONE and self._core.closed_under(session):
+            return Step.ABANDON
+        return step
 
     def _confirm_later(self, result: LoadResult) -> None:
         with self._lock:

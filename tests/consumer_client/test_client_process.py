@@ -218,3 +218,37 @@ def test_a_confirmation_held_in_an_interceptor_past_close_does_not_crash(
     )  # fmt: skip
     assert worker.returncode == 0, worker.stdout + worker.stderr
     assert worker.stdout.split("\n")[:2] == ["loaded True", "closed True"], worker.stdout
+
+
+@pytest.mark.filterwarnings("ignore::kvpark.client.TimeoutConfigWarning")
+def test_close_ends_a_load_reading_a_silent_data_connection_at_once(
+    producer_process: Start,
+) -> None:
+    """Chunk 0 of 2 is parked: the load reads it over TCP and waits on its data connection
+    for chunk 1. The producer then stops (SIGSTOP: its sockets stay open, nothing answers),
+    and close() must end the load CANCELLED, not leave it reading until its 60 s timeout."""
+    producer = producer_process(data_listen="127.0.0.1:0")
+    park_sync(producer.target, "half", {0: bytes(MiB)}, total=2)
+    consumer = KVConsumer(producer.target, transport="tcp", timeout=60)
+    first_landed = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def load() -> None:
+        on_chunk = lambda *_: first_landed.set()  # noqa: E731
+        outcome["result"] = consumer.load("half", num_chunks=2, on_chunk=on_chunk)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        wait_for(first_landed.is_set, what="chunk 0 over the data connection")
+        producer.proc.send_signal(signal.SIGSTOP)
+        consumer.close()
+        loader.join(timeout=10)
+        assert not loader.is_alive(), "the load went on reading after close()"
+    finally:
+        producer.proc.send_signal(signal.SIGCONT)
+        consumer.close()
+        loader.join()
+    result = outcome["result"]
+    assert result.reason is Reason.CANCELLED, result
+    assert result.transport == "tcp" and result.chunks_loaded == 1, result
