@@ -16,8 +16,8 @@ clients keep theirs, so a consumer normally closes first and never sends a ticke
 connection that is being closed.
 
 One thread watches the listening socket (a selector); each new connection's handshake (TLS,
-then the ticket) runs on a short-lived thread, bounded in number, so a slow or hostile peer
-never holds up the event loop or the next consumer. The event loop itself watches the idle
+then the ticket) runs on a short-lived thread, bounded in number and per source host, so a
+slow or hostile peer never holds up the event loop or the next consumer. The event loop itself watches the idle
 connections: a kept connection's ticket is one 32-byte read that never waits (a ticket that
 did not come in whole goes to a handshake thread), and taking it where the Fetch waits spares
 each reused transfer two hand-overs between threads, each a wake-up and a turn at the GIL on
@@ -36,7 +36,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from kvpark.address import Address
@@ -49,6 +49,12 @@ log = logging.getLogger(LOGGER_NAME)
 
 # Handshakes (TLS + ticket) in progress at once; more connections wait in the listen backlog.
 MAX_HANDSHAKES = 64
+# ... of which one host's new connections may take this many: a connection takes its slot
+# before it has shown anything, so without this a single peer that connects and stays silent
+# (no ticket, no token, no certificate needed) could hold every slot and send every consumer's
+# new data connection to the gRPC stream. A decode host's own connections rarely hand-shake
+# more than a few at once: each takes well under a millisecond.
+MAX_HANDSHAKES_PER_HOST = MAX_HANDSHAKES // 4
 HANDSHAKE_TIMEOUT_S = 5.0
 # Kept connections waiting for their consumer's next ticket.
 MAX_IDLE = 1024
@@ -85,6 +91,8 @@ class DataListener:
         self._waiting: dict[bytes, asyncio.Future[socket.socket]] = {}
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        # Source host -> its new connections' handshakes in progress (under `_lock`).
+        self._host_handshakes: Counter[str] = Counter()
         self._stopping = threading.Event()
         # Wakes the listener thread (to accept again, or to stop).
         self._wake_r, self._wake_w = socket.socketpair()
@@ -251,7 +259,32 @@ class DataListener:
                 self._accepting = False
                 self._resume_at = time.monotonic() + _TICK_S
                 return
+            if not self._host_may_start(peer):
+                self._handshakes.release()
+                limit = MAX_HANDSHAKES_PER_HOST
+                self._refuse(conn, peer, ConnectionRefusedError(f"{limit} handshakes at once"))
+                continue
             self._start_handshake(conn, peer, kept=False)
+
+    def _host_may_start(self, peer: Any) -> bool:
+        """Counts a new connection's handshake against its host, unless the host has
+        MAX_HANDSHAKES_PER_HOST in progress already."""
+        host = _host_of(peer)
+        with self._lock:
+            if self._host_handshakes[host] >= MAX_HANDSHAKES_PER_HOST:
+                return False
+            self._host_handshakes[host] += 1
+            return True
+
+    def _handshake_ended(self, peer: Any, kept: bool) -> None:
+        """Gives back the slots a handshake held."""
+        if not kept:
+            host = _host_of(peer)
+            with self._lock:
+                self._host_handshakes[host] -= 1
+                if not self._host_handshakes[host]:
+                    del self._host_handshakes[host]
+        self._handshakes.release()
 
     def _close_idle(self, before: float, keep_at_most: int = MAX_IDLE) -> None:
         """Closes the connections idle since `before`, and the longest idle beyond
@@ -291,7 +324,7 @@ class DataListener:
                 daemon=True,
             ).start()
         except RuntimeError as exc:  # no thread to be had (a tight pids limit): refuse this one
-            self._handshakes.release()
+            self._handshake_ended(peer, kept)
             self._refuse(conn, peer, exc)
 
     def _next_ticket(self, conn: socket.socket) -> None:
@@ -359,7 +392,7 @@ class DataListener:
             except RuntimeError:  # the event loop is closed: the producer is going away
                 conn.close()
         finally:
-            self._handshakes.release()
+            self._handshake_ended(peer, kept)
             if not self._accepting:
                 with self._lock:
                     if not self._stopping.is_set():
@@ -399,6 +432,11 @@ class DataListener:
         self._count("refused")
         log.debug("data connection from %s refused: %s", peer, exc)
         conn.close()
+
+
+def _host_of(peer: Any) -> str:
+    """The source host of an accepted connection's address (IPv4 or IPv6 tuple)."""
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
 
 
 def _deliver(future: asyncio.Future[socket.socket], conn: socket.socket) -> None:

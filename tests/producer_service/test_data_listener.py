@@ -1,6 +1,7 @@
-"""The data listener's guards against a host that runs short: a handshake thread that cannot
-be started refuses its connection and gives its slot back (so the listener never runs out of
-slots for good), stopping twice is harmless, and a ticket whose ACCEPTED byte found no room
+"""The data listener's guards against a host that runs short and a peer that stays silent: a
+handshake thread that cannot be started refuses its connection and gives its slot back (so the
+listener never runs out of slots for good), one host cannot take every handshake slot,
+stopping twice is harmless, and a ticket whose ACCEPTED byte found no room
 stays good for the consumer's next connection. The producer is real, in-process; only the
 start of a handshake thread is made to fail, as a tight pids limit makes it fail, and the
 full send buffer is a stand-in."""
@@ -20,7 +21,7 @@ from conftest import MiB, running_producer, wait_until
 from kvpark import KVConsumer, KVParker
 from kvpark.address import Address
 from kvpark.producer import data_listener
-from kvpark.producer.data_listener import MAX_HANDSHAKES, DataListener
+from kvpark.producer.data_listener import MAX_HANDSHAKES, MAX_HANDSHAKES_PER_HOST, DataListener
 
 SETTINGS: dict[str, Any] = {"data_listen": "127.0.0.1:0", "pool_bytes": 16 * MiB}
 
@@ -70,6 +71,40 @@ async def test_a_handshake_thread_that_cannot_start_refuses_and_frees_its_slot(
         assert result.ok and result.transport == "tcp", result
         assert bytes(result.data) == chunk.tobytes()
         assert server.data.accepted == 1
+
+
+async def test_one_silent_host_cannot_take_every_handshake_slot() -> None:
+    """A host that opens MAX_HANDSHAKES connections and sends nothing (no ticket, nothing to
+    authenticate) keeps MAX_HANDSHAKES_PER_HOST of them until the handshake timeout; the rest
+    are closed at once, and a consumer on another host (here 127.0.0.1, the silent one being
+    127.0.0.2) still gets its data connection instead of falling back to the gRPC stream."""
+    async with running_producer(**SETTINGS) as server:
+        assert server.data is not None
+        silent = []
+        try:
+            for _ in range(MAX_HANDSHAKES):
+                sock = socket.socket()
+                silent.append(sock)
+                sock.bind(("127.0.0.2", 0))
+                sock.connect(("127.0.0.1", server.data_port))
+            turned_away = MAX_HANDSHAKES - MAX_HANDSHAKES_PER_HOST
+            await wait_until(lambda: server.data.refused == turned_away, what="the extra closed")
+            assert sum(closed_by_peer(sock) for sock in silent) == turned_away
+            chunk = np.arange(MiB, dtype=np.uint8)
+
+            def park_and_load() -> Any:
+                with KVParker(server.target) as parker, KVConsumer(
+                    server.target, transport="tcp"
+                ) as consumer:  # fmt: skip
+                    assert parker.park("past-the-silent", [chunk]).ok
+                    return consumer.load("past-the-silent", num_chunks=1)
+
+            result = await asyncio.to_thread(park_and_load)
+            assert result.ok and result.transport == "tcp", result
+            assert bytes(result.data) == chunk.tobytes()
+        finally:
+            for sock in silent:
+                sock.close()
 
 
 async def test_stopping_twice_is_harmless() -> None:
