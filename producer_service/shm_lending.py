@@ -402,6 +402,11 @@ class ShmLendingServer:
         return None if used.closed else used
 
     @property
+    def connection_count(self) -> int:
+        """Client connections open now (read from any thread: a length, no iteration)."""
+        return len(self._conns)
+
+    @property
     def lend_count(self) -> int:
         with self._lock:
             return len(self._lends)
@@ -577,6 +582,8 @@ class ShmLendingServer:
                 self._protocol_error(
                     conn, f"protocol version {message.get('version')!r} (this producer: 1)"
                 )
+            elif (refused := self._refuse_hello(message.get("token"))) is not None:
+                self._protocol_error(conn, refused)
             else:
                 conn.greeted = True
                 self._answer(
@@ -592,6 +599,21 @@ class ShmLendingServer:
                 self._answer(conn, answer)
         else:
             self._protocol_error(conn, f"unknown op {op!r}")
+
+    def _refuse_hello(self, token: object) -> str | None:
+        """Why a connection whose hello carries `token` may not stay, or None. Only a token
+        of some role (or a role open to all) earns a connection: every connection takes one
+        of max_connections, and one that may lend nothing would only keep others out."""
+        if token is not None and not isinstance(token, str):
+            return "token must be a string or null"
+        try:
+            refusals = [self._authorize(token, role) for role in ROLES]
+        except Exception:
+            log.exception("shm hello authorization failed")
+            return "the producer could not check the token"
+        if all(refusals):
+            return "the hello needs a park or fetch token"
+        return None
 
     def _lend(self, conn: _Connection, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         role, token = message.get("role"), message.get("token")

@@ -38,7 +38,9 @@ ROLES = (PARK_ROLE, FETCH_ROLE)
 # Wire format of the shm socket (a Unix stream socket, strictly request then answer):
 #   every message is a 4-byte big-endian unsigned length N (1..MAX_MESSAGE_BYTES) followed by
 #   N bytes of a UTF-8 JSON object.
-#   client -> producer, first:  {"op": "hello", "version": 1}
+#   client -> producer, first:  {"op": "hello", "version": 1, "token": <str>|null}
+#     (with tokens configured, a hello without a park or fetch token is refused: a connection
+#     that may do nothing does not hold one of the producer's connections)
 #     answer:                   {"ok": true, "version": 1, "epoch": <int>, "calls": true}
 #     ("calls": the producer takes call ids, below; an older one leaves it out)
 #   client -> producer:         {"op": "lend", "role": "park"|"fetch", "token": <str>|null}
@@ -347,7 +349,7 @@ class ShmLender:
                 sock.close()
                 raise ShmUnavailable(f"cannot connect to {self.path}: {exc}") from None
             self._sock = sock
-            hello = {"op": "hello", "version": PROTOCOL_VERSION}
+            hello = {"op": "hello", "version": PROTOCOL_VERSION, "token": self._token}
             answer = self._exchange(hello, (), "handshake", deadline)
             epoch = answer.get("epoch")
             if not answer.get("ok"):

@@ -119,12 +119,16 @@ def open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+# A hello as a fetch-role client sends it.
+HELLO = {"op": "hello", "version": 1, "token": TOKENS["fetch"]}
+
+
 def raw_connection(path: str) -> socket.socket:
     """A client that speaks the wire format by hand, to send what ShmLender never would."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
     sock.connect(path)
-    assert raw_request(sock, {"op": "hello", "version": 1})["epoch"] == EPOCH
+    assert raw_request(sock, HELLO)["epoch"] == EPOCH
     return sock
 
 
@@ -353,8 +357,6 @@ def test_unsuitable_descriptors_are_refused_and_closed(
 @pytest.mark.parametrize(
     ("role", "token", "why"),
     [
-        ("park", "wrong", "unknown token"),
-        ("park", None, "unknown token"),
         ("park", TOKENS["fetch"], "not the park role's"),
         ("fetch", TOKENS["park"], "not the fetch role's"),
     ],
@@ -371,6 +373,21 @@ def test_the_roles_token_is_required(
         # A refusal leaves the connection usable.
         assert lender.connected and lender.release("0" * 32) is False
     assert server.lend_count == 0
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_a_connection_without_a_token_is_closed_at_its_hello(
+    server: ShmLendingServer, lenders: Any, token: str | None
+) -> None:
+    """With tokens configured, a connection that holds neither role's token could lend
+    nothing: it is refused at its hello and closed, rather than keeping one of the
+    max_connections every client shares for as long as it likes."""
+    with pytest.raises(ShmUnavailable, match="the hello needs a park or fetch token"):
+        lenders(server, None, token=token)
+    wait_for(lambda: server.connection_count == 0, what="the refused connection closed")
+    # Clients with a token of either role connect; each role lends only for itself.
+    with SharedBuffer(MiB) as buffer:
+        assert server.get(lenders(server, "park").lend(buffer, "park"), "park") is not None
 
 
 def test_a_role_without_a_token_is_open(start_server: Any, lenders: Any) -> None:
@@ -468,7 +485,7 @@ def test_connections_beyond_the_limit_are_refused(start_server: Any, lenders: An
 
 def _connects(server: ShmLendingServer) -> bool:
     try:
-        with ShmLender(server.path, None, 5.0) as lender:
+        with ShmLender(server.path, TOKENS["fetch"], 5.0) as lender:
             lender.connect()
         return True
     except ShmUnavailable:
@@ -486,7 +503,7 @@ def test_protocol_violations_close_the_connection(server: ShmLendingServer) -> N
         (lambda s: s.sendall(encode_message({"op": "hello", "version": 99})), False),
         (lambda s: s.sendall(LENGTH.pack(5) + b"{oops"), True),
         (lambda s: s.sendall(LENGTH.pack(10**6)), True),
-        (lambda s: s.sendall(encode_message({"op": "hello", "version": 1})), True),
+        (lambda s: s.sendall(encode_message(HELLO)), True),
         (
             lambda s: socket.send_fds(s, [encode_message({"op": "release", "lend_id": "x"})], [fd]),
             True,
@@ -615,7 +632,7 @@ def test_a_view_kept_past_acquire_keeps_the_mapping(server: ShmLendingServer, le
 
 
 def test_handshake_answers_the_epoch(server: ShmLendingServer) -> None:
-    with ShmLender(server.path, None, 5.0) as lender:
+    with ShmLender(server.path, TOKENS["fetch"], 5.0) as lender:
         assert lender.epoch is None
         assert lender.connect() == EPOCH == lender.epoch
         assert lender.connect() == EPOCH
@@ -677,7 +694,7 @@ def test_a_stale_socket_is_replaced(start_server: Any, sock_dir: Path, lenders: 
     stale.bind(str(sock_dir / "shm.sock"))
     stale.close()
     server = start_server()
-    assert lenders(server, None).epoch == EPOCH
+    assert lenders(server, "fetch").epoch == EPOCH
 
 
 def test_a_live_socket_or_another_file_is_never_replaced(
@@ -693,7 +710,7 @@ def test_a_live_socket_or_another_file_is_never_replaced(
     with pytest.raises(OSError) as in_use:
         start_server()
     assert in_use.value.errno == errno.EADDRINUSE
-    assert lenders(live, None).epoch == EPOCH, "the first server still serves"
+    assert lenders(live, "fetch").epoch == EPOCH, "the first server still serves"
 
 
 def test_stop_leaves_a_successors_socket(start_server: Any, sock_dir: Path) -> None:
