@@ -42,7 +42,7 @@ from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 from kvpark.shm import PARK_ROLE
 
-from ._async import caller_cancelled
+from ._async import caller_cancelled, given_back_if_abandoned
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
     SERVICE,
@@ -127,18 +127,12 @@ async def _planned(
     bytes. A caller cancelled meanwhile never gets the plan, so its staging buffer is given
     back once the thread is done (else every later park would find staging busy)."""
     job = asyncio.get_running_loop().run_in_executor(None, plan_shm, shm, prepared, outcome)
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        job.add_done_callback(functools.partial(_unstage_unused, shm))
-        raise
+    return await given_back_if_abandoned(job, functools.partial(_unstage_unused, shm))
 
 
-def _unstage_unused(shm: ShmAccess, job: asyncio.Future[ShmPlan | None]) -> None:
-    if not job.cancelled() and job.exception() is None:
-        plan = job.result()
-        if plan is not None and plan.staged:
-            shm.unstage()
+def _unstage_unused(shm: ShmAccess, plan: ShmPlan | None) -> None:
+    if plan is not None and plan.staged:
+        shm.unstage()
 
 
 # ===================================================================================== sync
