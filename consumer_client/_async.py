@@ -461,14 +461,7 @@ class AsyncKVConsumer(ClientBase):
         """Reads the data connection on a load thread while the loop runs on; a cancel of
         the caller, or aclose, closes the connection, which ends the thread."""
         assert session.offer is not None
-        receiver = TcpReceiver(
-            session.offer,
-            self.target,
-            self._core.data_tls,
-            self._core.channel.tls_server_name,
-            self._core.tcp_worked,
-            self._core.data_connections,
-        )
+        receiver = self._core.tcp_receiver(session.offer)
         self._receivers.add(receiver)
         try:
             run = functools.partial(receiver.run, session)

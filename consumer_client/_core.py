@@ -37,7 +37,7 @@ from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
-from ._tcp import RETRY_AFTER_S, Fallback
+from ._tcp import RETRY_AFTER_S, Fallback, TcpReceiver
 from ._timeouts import OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
 from .handle import MAX_FETCH_CHUNKS
 from .metrics import NO_POLICY, ConsumerMetrics
@@ -221,6 +221,18 @@ class ClientCore:
     def check_open(self) -> None:
         if self.closed:
             raise ClientClosedError(f"the kvpark client for {self.target} is closed")
+
+    def tcp_receiver(self, offer: pb.DataOffer) -> TcpReceiver:
+        """The reader of the data connection `offer` names, with this client's TLS and kept
+        connections."""
+        return TcpReceiver(
+            offer,
+            self.target,
+            self.data_tls,
+            self.channel.tls_server_name,
+            self.tcp_worked,
+            self.data_connections,
+        )
 
     def closed_under(self, session: LoadSession) -> bool:
         """Whether the client closed while this load was in flight; it then ends CANCELLED

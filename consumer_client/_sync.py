@@ -409,14 +409,7 @@ class KVConsumer(ClientBase):
         """Reads the data connection on the calling thread; close() aborts it, and the load
         then ends CANCELLED."""
         assert session.offer is not None
-        receiver = TcpReceiver(
-            session.offer,
-            self.target,
-            self._core.data_tls,
-            self._core.channel.tls_server_name,
-            self._core.tcp_worked,
-            self._core.data_connections,
-        )
+        receiver = self._core.tcp_receiver(session.offer)
         with self._lock:
             reading = not self._core.closed
             if reading:

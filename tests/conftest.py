@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -217,6 +219,15 @@ def start_producer_process(
             ready.cancel()
     metrics = str(settings["metrics_listen"])
     return ProducerProcess(proc, target, Address.parse(metrics).port if metrics else 0)
+
+
+@pytest.fixture
+def shm_socket() -> Iterator[str]:
+    """A path for a producer's shm socket, in a directory of its own (Unix socket paths are
+    short, so not under pytest's tmp_path)."""
+    directory = tempfile.mkdtemp(prefix="kvpark-")
+    yield os.path.join(directory, "shm.sock")
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

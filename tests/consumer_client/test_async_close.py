@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -28,13 +26,6 @@ from kvpark import AsyncKVConsumer, AsyncKVParker, ClientClosedError, LoadResult
 LOAD_TIMEOUT_S = 60.0
 # A generous bound on what should happen at once.
 PROMPTLY_S = 10.0
-
-
-@pytest.fixture
-def shm_socket() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="kvpark-")  # Unix socket paths are short
-    yield os.path.join(directory, "shm.sock")
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("timeout", [LOAD_TIMEOUT_S, None], ids=["bounded", "unbounded"])

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -24,13 +22,6 @@ from kvpark import AsyncKVConsumer, AsyncKVParker, Reason
 
 # How far past its own timeout a load may return (its lends and settles included).
 MARGIN_S = 1.0
-
-
-@pytest.fixture
-def shm_socket() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="kvpark-")  # Unix socket paths are short
-    yield os.path.join(directory, "shm.sock")
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def chunks(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -10,12 +10,8 @@ released, and a restarted producer gets shared memory again. Real producers thro
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import socket
-import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -38,13 +34,6 @@ WAIT_S = 30.0
 TCP_SETTINGS: dict[str, Any] = {"data_listen": "127.0.0.1:0", "max_fetch_wait_s": WAIT_S}
 # Generous bounds on things that should happen at once; missing one is the failure shown.
 PROMPTLY_S = 10.0
-
-
-@pytest.fixture
-def shm_socket() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="kvpark-")  # Unix socket paths are short
-    yield os.path.join(directory, "shm.sock")
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def pattern(n: int, nbytes: int = MiB) -> list[np.ndarray]:
