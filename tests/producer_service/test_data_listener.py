@@ -41,6 +41,20 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+async def loads_over_tcp(target: str, kid: str) -> None:
+    """Parks 1 MiB as `kid` and loads it back: it must come over a data connection."""
+    chunk = np.arange(MiB, dtype=np.uint8)
+
+    def park_and_load() -> Any:
+        with KVParker(target) as parker, KVConsumer(target, transport="tcp") as consumer:
+            assert parker.park(kid, [chunk]).ok
+            return consumer.load(kid, num_chunks=1)
+
+    result = await asyncio.to_thread(park_and_load)
+    assert result.ok and result.transport == "tcp", result
+    assert bytes(result.data) == chunk.tobytes()
+
+
 async def test_a_handshake_thread_that_cannot_start_refuses_and_frees_its_slot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -58,18 +72,7 @@ async def test_a_handshake_thread_that_cannot_start_refuses_and_frees_its_slot(
             await wait_until(lambda n=n: server.data.refused == n, what=f"{n} refused")
         assert server.data.accepting
         monkeypatch.undo()
-        chunk = np.arange(MiB, dtype=np.uint8)
-
-        def park_and_load() -> Any:
-            with KVParker(server.target) as parker, KVConsumer(
-                server.target, transport="tcp"
-            ) as consumer:  # fmt: skip
-                assert parker.park("after", [chunk]).ok
-                return consumer.load("after", num_chunks=1)
-
-        result = await asyncio.to_thread(park_and_load)
-        assert result.ok and result.transport == "tcp", result
-        assert bytes(result.data) == chunk.tobytes()
+        await loads_over_tcp(server.target, "after")
         assert server.data.accepted == 1
 
 
@@ -90,18 +93,7 @@ async def test_one_silent_host_cannot_take_every_handshake_slot() -> None:
             turned_away = MAX_HANDSHAKES - MAX_HANDSHAKES_PER_HOST
             await wait_until(lambda: server.data.refused == turned_away, what="the extra closed")
             assert sum(closed_by_peer(sock) for sock in silent) == turned_away
-            chunk = np.arange(MiB, dtype=np.uint8)
-
-            def park_and_load() -> Any:
-                with KVParker(server.target) as parker, KVConsumer(
-                    server.target, transport="tcp"
-                ) as consumer:  # fmt: skip
-                    assert parker.park("past-the-silent", [chunk]).ok
-                    return consumer.load("past-the-silent", num_chunks=1)
-
-            result = await asyncio.to_thread(park_and_load)
-            assert result.ok and result.transport == "tcp", result
-            assert bytes(result.data) == chunk.tobytes()
+            await loads_over_tcp(server.target, "past-the-silent")
         finally:
             for sock in silent:
                 sock.close()
