@@ -17,12 +17,12 @@ connection that is being closed.
 
 One thread watches the listening socket (a selector); each new connection's handshake (TLS,
 then the ticket) runs on a short-lived thread, bounded in number and per source host, so a
-slow or hostile peer never holds up the event loop or the next consumer. The event loop itself watches the idle
-connections: a kept connection's ticket is one 32-byte read that never waits (a ticket that
-did not come in whole goes to a handshake thread), and taking it where the Fetch waits spares
-each reused transfer two hand-overs between threads, each a wake-up and a turn at the GIL on
-a busy producer (docs/performance.md). The Fetch writes to the socket it is handed from worker
-threads (producer_service/transports.py).
+slow or hostile peer never holds up the event loop or the next consumer. The event loop itself
+watches the idle connections: a kept connection's ticket is one 32-byte read that never waits
+(a ticket that did not come in whole goes to a handshake thread), and taking it where the Fetch
+waits spares each reused transfer two hand-overs between threads, each a wake-up and a turn at
+the GIL on a busy producer (docs/performance.md). The Fetch writes to the socket it is handed
+from worker threads (producer_service/transports.py).
 """
 
 from __future__ import annotations
