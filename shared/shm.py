@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import fcntl
 import itertools
 import json
@@ -168,10 +169,19 @@ def _forget(fd: int, start: int, serial: int) -> None:
     os.close(fd)
 
 
-# How a client maps its shared buffer: MAP_POPULATE maps every page at once, so the first
-# transfer through a new buffer does not take a page fault per 4 KiB page on this side (~2 µs
-# each on a VM: 0.27 s per 580 MB, more than the copy itself).
-MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
+# A client maps every page of its shared buffer at once, so the first transfer through a new
+# buffer does not take a page fault per 4 KiB page on this side (~2 µs each on a VM: 0.27 s
+# per 580 MB, more than the copy itself). Not with MAP_POPULATE: Python's mmap() holds the GIL
+# through it (~0.1 s per 256 MiB), which stalls an asyncio client's event loop even when the
+# buffer is made on a worker thread. madvise(MADV_POPULATE_WRITE) (Linux 5.14) through ctypes,
+# which lets go of the GIL, does the same; where the kernel lacks it, pages fault in on use.
+MAP_FLAGS = mmap.MAP_SHARED
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(address: int, nbytes: int) -> None:
+    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
 
 
 class SharedBuffer:
@@ -180,7 +190,7 @@ class SharedBuffer:
     Every page is allocated up front (posix_fallocate): the memory is charged to this process
     and a shortage fails here, rather than when the producer first touches a page (which would
     charge the producer's cgroup, and which the producer refuses for that reason). And mapped
-    up front (MAP_FLAGS).
+    up front (`_populate`).
 
     `close()` releases the descriptor and this process's claim on the memory. Arrays taken
     from `array` before must not be used afterwards: they no longer count as shared
@@ -208,6 +218,7 @@ class SharedBuffer:
         self._mmap: mmap.mmap | None = mapping
         self._array: NDArray[np.uint8] | None = np.frombuffer(mapping, dtype=np.uint8)
         self._start = _data_address(self._array)
+        _populate(self._start, nbytes)
         serial = next(_serials)
         _register(self, self._start, serial)
         self._forget = weakref.finalize(self, _forget, fd, self._start, serial)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import itertools
 import os
 import shutil
 import socket
@@ -227,6 +228,45 @@ def test_both_ends_map_every_page_up_front(server: ShmLendingServer, lenders: An
         assert server.get(lend_id, "fetch") is not None
         # The producer's mapping too (it lives in this process): nothing touched it either.
         wait_for(lambda: mapped_bytes(name) == 16 * MiB, what="the producer's pages mapped")
+
+
+def test_other_threads_run_while_a_buffer_maps_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping every page of a new buffer takes ~0.1 s per 256 MiB, and other threads run
+    throughout: an asyncio client makes its buffers on a worker thread, and its event loop
+    stalled for as long when the mapping held the GIL (MAP_POPULATE in mmap()). Measured from
+    the end of the allocation to the buffer's return, against a thread that ticks every
+    half millisecond: no gap between its ticks may take half of that time."""
+    allocated: list[float] = []
+    fallocate = os.posix_fallocate
+
+    def timed(fd: int, offset: int, length: int) -> None:
+        fallocate(fd, offset, length)
+        allocated.append(time.monotonic())
+
+    monkeypatch.setattr(os, "posix_fallocate", timed)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        wait_for(lambda: len(ticks) > 1, what="the ticking thread running")
+        name = f"kvpark-test-{os.getpid()}-{time.monotonic_ns()}"
+        with SharedBuffer(128 * MiB, name=name):
+            made = time.monotonic()
+            assert mapped_bytes(name) == 128 * MiB
+    finally:
+        stop.set()
+        ticker.join()
+    [start] = allocated
+    inside = [start, *(t for t in ticks if start < t < made), made]
+    longest = max(b - a for a, b in itertools.pairwise(inside))
+    assert longest < (made - start) / 2, f"a {longest:.3f}s stall of {made - start:.3f}s"
 
 
 def test_many_threads_share_one_lender(server: ShmLendingServer, lenders: Any) -> None:
