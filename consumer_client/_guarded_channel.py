@@ -4,9 +4,11 @@ grpc's sync interceptors build a fresh multicallable on the underlying channel f
 they pass on, and grpc (1.85) crashes the whole process with a segmentation fault when a
 multicallable is built on a closed channel. A client's close() can come while a call is still
 starting: a background confirmation held up in an interceptor (an auth refresh, a retry's
-back-off), or a keep-alive. This wrapper makes building one after close() raise the ValueError
-grpc itself raises for a call on a closed channel, which the clients turn into
-ClientClosedError; the lock keeps close() from landing in the middle of a build.
+back-off), or a keep-alive. This wrapper makes building one after close() fail as a call the
+close cancelled: an RpcError with status CANCELLED, which the clients already turn into
+ClientClosedError (unary calls) or a CANCELLED load or park. It must be an RpcError: grpc's
+streaming interceptors hold any other exception back and raise it only when the call is read,
+past the clients' checks. The lock keeps close() from landing in the middle of a build.
 """
 
 from __future__ import annotations
@@ -16,7 +18,64 @@ from typing import Any
 
 import grpc
 
-CLOSED_MESSAGE = "Cannot invoke RPC on closed channel!"  # grpc's own words for the case
+CLOSED_MESSAGE = "the client closed its channel"
+
+
+class ChannelClosed(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
+    """A call built after close(): it ends as one that close() cancelled. grpc's interceptors
+    hand an RpcError raised while building a call back as that call itself (then ask it for
+    its result, or iterate it), so this is a finished, failed call as well as the error."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return CLOSED_MESSAGE
+
+    def initial_metadata(self) -> None:
+        return None
+
+    def trailing_metadata(self) -> None:
+        return None
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> None:
+        return None
+
+    def add_callback(self, callback: Any) -> bool:
+        return False  # the call has ended: a callback is never run
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self
+
+    def exception(self, timeout: float | None = None) -> BaseException:
+        return self
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        return self.__traceback__
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
+
+    def __iter__(self) -> ChannelClosed:
+        return self
+
+    def __next__(self) -> Any:
+        raise self
 
 
 class GuardedChannel(grpc.Channel):  # type: ignore[misc]
@@ -28,7 +87,7 @@ class GuardedChannel(grpc.Channel):  # type: ignore[misc]
     def _build(self, kind: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._closed:
-                raise ValueError(CLOSED_MESSAGE)
+                raise ChannelClosed(CLOSED_MESSAGE)
             return getattr(self._channel, kind)(*args, **kwargs)
 
     def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
