@@ -146,8 +146,10 @@ class TcpReceiver:
             return kept
         left = _until(deadline)
         fresh_s = deadline - time.monotonic()  # what the new connection had, for `conclusive`
+        connected = False
         try:
             sock = socket.create_connection((address.host, address.port), timeout=left())
+            connected = True
             self._sock = sock
             self._check_aborted()  # abort() ran while we connected: it could not close this
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -167,10 +169,15 @@ class TcpReceiver:
                 transport="tcp", path_failed=False,
             ) from None  # fmt: skip
         except (OSError, ssl.SSLError) as exc:
-            # A failure the load's own abort caused, or a timeout with little time to try,
-            # says nothing about the path.
-            conclusive = not self._aborted and (
-                not isinstance(exc, TimeoutError) or fresh_s >= CONCLUSIVE_TIMEOUT_S
+            # A failure the load's own abort caused, a timeout with little time to try, or a
+            # connection the producer took and then closed before any answer (it refuses
+            # what it cannot take now: a host over its share of handshake slots, a ticket of
+            # a Fetch that ended) says nothing about the path.
+            closed_by_producer = connected and isinstance(exc, _CLOSED_BY_PEER)
+            conclusive = (
+                not self._aborted
+                and not closed_by_producer
+                and (not isinstance(exc, TimeoutError) or fresh_s >= CONCLUSIVE_TIMEOUT_S)
             )
             self.abort()
             raise Fallback(
@@ -321,6 +328,11 @@ class _ReadTimedOut(Exception):
 
 class _ReadFailed(Exception):
     """A read of the data connection failed: the producer closed or reset it, or it broke."""
+
+
+# How a connection the peer closed on us shows: a reset (it closed with our ticket unread), a
+# broken pipe, or over TLS an end of file in the middle of the handshake.
+_CLOSED_BY_PEER = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 
 
 def _until(deadline: float) -> Callable[[], float]:

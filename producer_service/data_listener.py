@@ -49,11 +49,11 @@ log = logging.getLogger(LOGGER_NAME)
 
 # Handshakes (TLS + ticket) in progress at once; more connections wait in the listen backlog.
 MAX_HANDSHAKES = 64
-# ... of which one host's new connections may take this many: a connection takes its slot
-# before it has shown anything, so without this a single peer that connects and stays silent
-# (no ticket, no token, no certificate needed) could hold every slot and send every consumer's
-# new data connection to the gRPC stream. A decode host's own connections rarely hand-shake
-# more than a few at once: each takes well under a millisecond.
+# ... of which one host's new connections may take this many once half the slots are busy:
+# a connection takes its slot before it has shown anything, so without this a single peer that
+# connects and stays silent (no ticket, no token, no certificate needed) could hold every slot
+# and send every consumer's new data connection to the gRPC stream. Below half, any host may
+# take more (a decode host opening many connections at once), so one host holds at most half.
 MAX_HANDSHAKES_PER_HOST = MAX_HANDSHAKES // 4
 HANDSHAKE_TIMEOUT_S = 5.0
 # Kept connections waiting for their consumer's next ticket.
@@ -91,8 +91,10 @@ class DataListener:
         self._waiting: dict[bytes, asyncio.Future[socket.socket]] = {}
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
-        # Source host -> its new connections' handshakes in progress (under `_lock`).
+        # Source host -> its new connections' handshakes in progress, and their sum (under
+        # `_lock`).
         self._host_handshakes: Counter[str] = Counter()
+        self._handshakes_running = 0
         self._stopping = threading.Event()
         # Wakes the listener thread (to accept again, or to stop).
         self._wake_r, self._wake_w = socket.socketpair()
@@ -267,13 +269,15 @@ class DataListener:
             self._start_handshake(conn, peer, kept=False)
 
     def _host_may_start(self, peer: Any) -> bool:
-        """Counts a new connection's handshake against its host, unless the host has
-        MAX_HANDSHAKES_PER_HOST in progress already."""
+        """Counts a new connection's handshake against its host, unless half the slots are
+        busy and the host has MAX_HANDSHAKES_PER_HOST in progress already."""
         host = _host_of(peer)
         with self._lock:
-            if self._host_handshakes[host] >= MAX_HANDSHAKES_PER_HOST:
+            busy = self._handshakes_running >= MAX_HANDSHAKES // 2
+            if busy and self._host_handshakes[host] >= MAX_HANDSHAKES_PER_HOST:
                 return False
             self._host_handshakes[host] += 1
+            self._handshakes_running += 1
             return True
 
     def _handshake_ended(self, peer: Any, kept: bool) -> None:
@@ -282,6 +286,7 @@ class DataListener:
             host = _host_of(peer)
             with self._lock:
                 self._host_handshakes[host] -= 1
+                self._handshakes_running -= 1
                 if not self._host_handshakes[host]:
                     del self._host_handshakes[host]
         self._handshakes.release()

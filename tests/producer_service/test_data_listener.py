@@ -21,7 +21,7 @@ from conftest import MiB, running_producer, wait_until
 from kvpark import KVConsumer, KVParker
 from kvpark.address import Address
 from kvpark.producer import data_listener
-from kvpark.producer.data_listener import MAX_HANDSHAKES, MAX_HANDSHAKES_PER_HOST, DataListener
+from kvpark.producer.data_listener import MAX_HANDSHAKES, DataListener
 
 SETTINGS: dict[str, Any] = {"data_listen": "127.0.0.1:0", "pool_bytes": 16 * MiB}
 
@@ -78,8 +78,8 @@ async def test_a_handshake_thread_that_cannot_start_refuses_and_frees_its_slot(
 
 async def test_one_silent_host_cannot_take_every_handshake_slot() -> None:
     """A host that opens MAX_HANDSHAKES connections and sends nothing (no ticket, nothing to
-    authenticate) keeps MAX_HANDSHAKES_PER_HOST of them until the handshake timeout; the rest
-    are closed at once, and a consumer on another host (here 127.0.0.1, the silent one being
+    authenticate) keeps half the handshake slots until the handshake timeout; the rest are
+    closed at once, and a consumer on another host (here 127.0.0.1, the silent one being
     127.0.0.2) still gets its data connection instead of falling back to the gRPC stream."""
     async with running_producer(**SETTINGS) as server:
         assert server.data is not None
@@ -90,13 +90,41 @@ async def test_one_silent_host_cannot_take_every_handshake_slot() -> None:
                 silent.append(sock)
                 sock.bind(("127.0.0.2", 0))
                 sock.connect(("127.0.0.1", server.data_port))
-            turned_away = MAX_HANDSHAKES - MAX_HANDSHAKES_PER_HOST
+            turned_away = MAX_HANDSHAKES - MAX_HANDSHAKES // 2
             await wait_until(lambda: server.data.refused == turned_away, what="the extra closed")
             assert sum(closed_by_peer(sock) for sock in silent) == turned_away
             await loads_over_tcp(server.target, "past-the-silent")
         finally:
             for sock in silent:
                 sock.close()
+
+
+async def test_a_connection_turned_away_for_its_host_costs_one_load_not_the_path() -> None:
+    """Half the handshake slots held by silent connections from the consumer's own host: the
+    consumer's next new data connection is closed unread (a reset), and that one load goes
+    over the gRPC stream. The path is not marked failed: once the slots are free the next
+    load goes over TCP again, instead of the gRPC stream for RETRY_AFTER_S."""
+    async with running_producer(**SETTINGS) as server:
+        assert server.data is not None
+        address = ("127.0.0.1", server.data_port)
+        silent = [socket.create_connection(address) for _ in range(MAX_HANDSHAKES // 2 + 1)]
+        chunk = np.arange(MiB, dtype=np.uint8)
+        with KVParker(server.target) as parker, KVConsumer(server.target, transport="tcp") as c:
+            try:
+                await wait_until(lambda: server.data.refused == 1, what="the host's share full")
+                assert (await asyncio.to_thread(parker.park, "turned-away", [chunk])).ok
+                first = await asyncio.to_thread(c.load, "turned-away", num_chunks=1)
+                assert first.ok and first.transport == "grpc", first
+                assert server.data.refused == 2, "the consumer's own connection was turned away"
+            finally:
+                for sock in silent:
+                    sock.close()
+            await wait_until(
+                lambda: server.data.refused == len(silent) + 1, what="the silent ones ended"
+            )
+            assert (await asyncio.to_thread(parker.park, "welcome", [chunk])).ok
+            second = await asyncio.to_thread(c.load, "welcome", num_chunks=1)
+            assert second.ok and second.transport == "tcp", second
 
 
 async def test_stopping_twice_is_harmless() -> None:
