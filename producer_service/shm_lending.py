@@ -51,6 +51,9 @@ log = logging.getLogger(LOGGER_NAME)
 
 DEFAULT_MAX_LEND_BYTES = 64 * 1024**3
 DEFAULT_MAX_CONNECTIONS = 256
+# Connections at once whose hello carries no token (clients older than that rule) when tokens
+# are configured: they may still lend with their token, but cannot fill the socket.
+LEGACY_HELLOS = 16
 # Lends mapped at once over all connections. Each holds a descriptor (Python's mmap keeps its
 # own duplicate), so this bounds them below what max_connections times the per-connection
 # limit would allow (16,384); the producer's descriptor budget counts them and takes fewer
@@ -271,6 +274,7 @@ class _Connection:
     inbox: bytearray = field(default_factory=bytearray)
     fds: list[int] = field(default_factory=list)  # received with the message being read
     lends: dict[str, LentBuffer] = field(default_factory=dict)
+    legacy_hello: bool = False  # greeted without a token: a client older than the token rule
     deadline: float | None = None  # the current message (or the hello) must be complete by
     releasing: _Waiting | None = None  # a release answered once the copies it waits for end
 
@@ -582,7 +586,7 @@ class ShmLendingServer:
                 self._protocol_error(
                     conn, f"protocol version {message.get('version')!r} (this producer: 1)"
                 )
-            elif (refused := self._refuse_hello(message.get("token"))) is not None:
+            elif (refused := self._refuse_hello(conn, message)) is not None:
                 self._protocol_error(conn, refused)
             else:
                 conn.greeted = True
@@ -600,10 +604,14 @@ class ShmLendingServer:
         else:
             self._protocol_error(conn, f"unknown op {op!r}")
 
-    def _refuse_hello(self, token: object) -> str | None:
-        """Why a connection whose hello carries `token` may not stay, or None. Only a token
-        of some role (or a role open to all) earns a connection: every connection takes one
-        of max_connections, and one that may lend nothing would only keep others out."""
+    def _refuse_hello(self, conn: _Connection, hello: dict[str, Any]) -> str | None:
+        """Why a connection with this hello may not stay, or None. Only a token of some role
+        (or a role open to all) earns a connection: every connection takes one of
+        max_connections, and one that may lend nothing would only keep others out. A hello
+        with no "token" key at all comes from a client older than that rule, which sends its
+        token with each lend only; such connections are let in, up to LEGACY_HELLOS at once.
+        """
+        token = hello.get("token")
         if token is not None and not isinstance(token, str):
             return "token must be a string or null"
         try:
@@ -611,8 +619,14 @@ class ShmLendingServer:
         except Exception:
             log.exception("shm hello authorization failed")
             return "the producer could not check the token"
-        if all(refusals):
+        if not all(refusals):
+            return None
+        if "token" in hello:
             return "the hello needs a park or fetch token"
+        legacy = sum(c.legacy_hello for c in self._conns.values())
+        if legacy >= LEGACY_HELLOS:
+            return f"{legacy} connections whose hello has no token already, the most"
+        conn.legacy_hello = True
         return None
 
     def _lend(self, conn: _Connection, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:

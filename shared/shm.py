@@ -41,7 +41,8 @@ ROLES = (PARK_ROLE, FETCH_ROLE)
 #   N bytes of a UTF-8 JSON object.
 #   client -> producer, first:  {"op": "hello", "version": 1, "token": <str>|null}
 #     (with tokens configured, a hello without a park or fetch token is refused: a connection
-#     that may do nothing does not hold one of the producer's connections)
+#     that may do nothing does not hold one of the producer's connections; a hello with no
+#     "token" key, from clients that send it with each lend only, is let in up to a quota)
 #     answer:                   {"ok": true, "version": 1, "epoch": <int>, "calls": true}
 #     ("calls": the producer takes call ids, below; an older one leaves it out)
 #   client -> producer:         {"op": "lend", "role": "park"|"fetch", "token": <str>|null}

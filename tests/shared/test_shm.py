@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import wait_for
 
-from kvpark.producer.shm_lending import LendGone, LentBuffer, ShmLendingServer
+from kvpark.producer.shm_lending import LEGACY_HELLOS, LendGone, LentBuffer, ShmLendingServer
 from kvpark.shm import (
     LENGTH,
     SharedBuffer,
@@ -428,6 +428,35 @@ def test_a_connection_without_a_token_is_closed_at_its_hello(
     # Clients with a token of either role connect; each role lends only for itself.
     with SharedBuffer(MiB) as buffer:
         assert server.get(lenders(server, "park").lend(buffer, "park"), "park") is not None
+
+
+def test_clients_older_than_the_hello_token_still_lend_within_their_quota(
+    server: ShmLendingServer, lenders: Any
+) -> None:
+    """A hello with no "token" key at all (a client that sends its token with each lend
+    only) is let in, and lends with its token, up to LEGACY_HELLOS such connections at once;
+    more are refused at the hello, and clients that send their token still connect."""
+    legacy = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(LEGACY_HELLOS)]
+    try:
+        for sock in legacy:
+            sock.settimeout(5)
+            sock.connect(server.path)
+            assert raw_request(sock, {"op": "hello", "version": 1})["ok"]
+        fd = memfd(MiB, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        try:
+            lend = {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]}
+            assert raw_request(legacy[0], lend, (fd,))["ok"]
+        finally:
+            os.close(fd)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as one_more:
+            one_more.settimeout(5)
+            one_more.connect(server.path)
+            answer = raw_request(one_more, {"op": "hello", "version": 1})
+            assert not answer["ok"] and "no token already, the most" in answer["error"]
+        assert lenders(server, "fetch").epoch == EPOCH
+    finally:
+        for sock in legacy:
+            sock.close()
 
 
 def test_a_role_without_a_token_is_open(start_server: Any, lenders: Any) -> None:
