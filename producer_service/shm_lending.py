@@ -14,7 +14,6 @@ is a few syscalls. The message format is kvpark.shm's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
@@ -42,6 +41,7 @@ from kvpark.shm import (
     ROLES,
     decode_message,
     encode_message,
+    populate,
     split_call_id,
 )
 
@@ -806,14 +806,6 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-# madvise(2) advice that maps every page of a range now (Linux 5.14+): READ for the read-only
-# mapping of a Park lend, WRITE for a Fetch lend (pages the producer will write).
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
 def _prefault(lent: LentBuffer) -> None:
     """Maps every page of a new lend, on a thread of its own and without the GIL (ctypes
     releases it), so the first copy through the buffer does not take a page fault per 4 KiB
@@ -823,7 +815,6 @@ def _prefault(lent: LentBuffer) -> None:
     try:
         with lent.acquire() as view:
             address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-            advice = _MADV_POPULATE_READ if view.readonly else _MADV_POPULATE_WRITE
-            _libc.madvise(address, len(view), advice)
+            populate(address, len(view), writable=not view.readonly)
     except LendGone:
         pass

@@ -177,12 +177,17 @@ def _forget(fd: int, start: int, serial: int) -> None:
 # buffer is made on a worker thread. madvise(MADV_POPULATE_WRITE) (Linux 5.14) through ctypes,
 # which lets go of the GIL, does the same; where the kernel lacks it, pages fault in on use.
 MAP_FLAGS = mmap.MAP_SHARED
+_MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _populate(address: int, nbytes: int) -> None:
-    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
+def populate(address: int, nbytes: int, *, writable: bool = True) -> None:
+    """Maps every page of the mapping at `address` now, without the GIL (ctypes lets go of
+    it). Best effort: a kernel older than Linux 5.14 refuses the advice, and the pages then
+    fault in on first use."""
+    _libc.madvise(address, nbytes, _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ)
 
 
 class SharedBuffer:
@@ -191,7 +196,7 @@ class SharedBuffer:
     Every page is allocated up front (posix_fallocate): the memory is charged to this process
     and a shortage fails here, rather than when the producer first touches a page (which would
     charge the producer's cgroup, and which the producer refuses for that reason). And mapped
-    up front (`_populate`).
+    up front (`populate`).
 
     `close()` releases the descriptor and this process's claim on the memory. Arrays taken
     from `array` before must not be used afterwards: they no longer count as shared
@@ -219,7 +224,7 @@ class SharedBuffer:
         self._mmap: mmap.mmap | None = mapping
         self._array: NDArray[np.uint8] | None = np.frombuffer(mapping, dtype=np.uint8)
         self._start = _data_address(self._array)
-        _populate(self._start, nbytes)
+        populate(self._start, nbytes)
         serial = next(_serials)
         _register(self, self._start, serial)
         self._forget = weakref.finalize(self, _forget, fd, self._start, serial)
