@@ -37,7 +37,7 @@ from ._models import IdStatus, ProducerInfo
 from ._result import LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
-from ._tcp import RETRY_AFTER_S, Fallback, TcpReceiver
+from ._tcp import RETRY_AFTER_S, TURNED_AWAY_IN_A_ROW, Fallback, TcpReceiver
 from ._timeouts import OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
 from .handle import MAX_FETCH_CHUNKS
 from .metrics import NO_POLICY, ConsumerMetrics
@@ -121,6 +121,7 @@ class ClientCore:
         # `_tcp_down_until`, then one load at a time tries it until one gets through.
         self._tcp_failed = False
         self._tcp_down_until = 0.0
+        self._tcp_turned_away = 0  # new data connections closed unanswered since one worked
 
     @property
     def target(self) -> str:
@@ -245,11 +246,16 @@ class ClientCore:
     def start_call(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Starts a call on a sync channel. A close() from another thread can shut the channel
         after the caller took its stub and before the call starts; grpc then raises a bare
-        ValueError ("Cannot invoke RPC on closed channel"), which is ClientClosedError here."""
+        ValueError ("Cannot invoke RPC on closed channel"), which is ClientClosedError here, as
+        is a unary call that close() cancelled meanwhile."""
         try:
             return call(*args, **kwargs)
         except ValueError:
             self.check_open()
+            raise
+        except grpc.RpcError as exc:  # a unary call cancelled by close(), interceptors or not
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                self.check_open()
             raise
 
     # ------------------------------------------------------------------------------ requests
@@ -388,13 +394,19 @@ class ClientCore:
         with self._lock:
             self._tcp_failed = False
             self._tcp_down_until = 0.0
+            self._tcp_turned_away = 0
 
     def fall_back(self, session: LoadSession, why: Fallback) -> LoadSession:
         """The load over the gRPC stream, after its shm or tcp path failed before the first
         byte (counted in the metrics; a failed data connection also pauses TCP)."""
+        path_failed = why.path_failed
         if why.transport == "tcp":
             session.tcp_probe = None  # a DataOffer came: the turn is used (`_tcp_turn_unused`)
-        if why.transport == "tcp" and why.path_failed:
+            if why.turned_away:
+                with self._lock:
+                    self._tcp_turned_away += 1
+                    path_failed = self._tcp_turned_away >= TURNED_AWAY_IN_A_ROW
+        if why.transport == "tcp" and path_failed:
             with self._lock:
                 self._tcp_failed = True
                 self._tcp_down_until = time.monotonic() + RETRY_AFTER_S

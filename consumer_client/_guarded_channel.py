@@ -6,9 +6,11 @@ multicallable is built on a closed channel. A client's close() can come while a 
 starting: a background confirmation held up in an interceptor (an auth refresh, a retry's
 back-off), or a keep-alive. This wrapper makes building one after close() fail as a call the
 close cancelled: an RpcError with status CANCELLED, which the clients already turn into
-ClientClosedError (unary calls) or a CANCELLED load or park. It must be an RpcError: grpc's
-streaming interceptors hold any other exception back and raise it only when the call is read,
-past the clients' checks. The lock keeps close() from landing in the middle of a build.
+ClientClosedError (a park, a unary call) or a CANCELLED load or streamed batch. grpc's
+interceptors hold an exception raised while a call is built and raise it when the call is
+read (a stream's next message, a future's result), and a blocking unary call's interceptor
+returns an RpcError as the call itself, then asks it for its result: so it is also a finished
+call. The lock keeps close() from landing in the middle of a build.
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ CONNECT_TIMEOUT_S = 1.0
 # How long a client leaves TCP out of its Fetches after a data connection failed for a reason
 # that will not go away by itself (refused, unreachable, dropped, a TLS mismatch).
 RETRY_AFTER_S = 10.0
+# A producer closing a new data connection before any answer turns away that one load (a host
+# over its share of handshake slots, say). So many in a row, with no accepted connection in
+# between, is a path that never works (an mTLS certificate refused, a proxy with nothing
+# behind it): TCP is then left out for RETRY_AFTER_S like any failed path.
+TURNED_AWAY_IN_A_ROW = 3
 # The share of that attempt a kept connection gets to have its ticket accepted (the producer's
 # event loop answers it in its next turn: well under a millisecond when alive, unless that
 # loop stalls); the rest is for a new connection when it does not: one that died without a
@@ -57,12 +62,16 @@ class Fallback(Exception):
     """The out-of-band path failed before its first byte: the load goes on over the gRPC
     stream. `transport` names that path ("tcp" or "shm"); `path_failed` is False when the
     failure says nothing about the path (no time left to try, a ticket the producer no longer
-    waited for), so the client keeps using it."""
+    waited for), so the client keeps using it; `turned_away` when the producer closed the new
+    connection before any answer, which says something only when it keeps happening."""
 
-    def __init__(self, why: str, *, transport: str, path_failed: bool = True) -> None:
+    def __init__(
+        self, why: str, *, transport: str, path_failed: bool = True, turned_away: bool = False
+    ) -> None:
         super().__init__(why)
         self.transport = transport
         self.path_failed = path_failed
+        self.turned_away = turned_away
 
 
 def host_of(target: str) -> str | None:
@@ -166,14 +175,17 @@ class TcpReceiver:
             self.abort()
             raise Fallback(
                 f"data connection to {address}: the ticket was not taken",
-                transport="tcp", path_failed=False,
+                transport="tcp", path_failed=False, turned_away=True,
             ) from None  # fmt: skip
         except (OSError, ssl.SSLError) as exc:
             # A failure the load's own abort caused, a timeout with little time to try, or a
             # connection the producer took and then closed before any answer (it refuses
             # what it cannot take now: a host over its share of handshake slots, a ticket of
-            # a Fetch that ended) says nothing about the path.
-            closed_by_producer = connected and isinstance(exc, _CLOSED_BY_PEER)
+            # a Fetch that ended) says nothing about the path, unless the last keeps
+            # happening (TURNED_AWAY_IN_A_ROW).
+            closed_by_producer = (
+                connected and not self._aborted and isinstance(exc, _CLOSED_BY_PEER)
+            )
             conclusive = (
                 not self._aborted
                 and not closed_by_producer
@@ -182,7 +194,7 @@ class TcpReceiver:
             self.abort()
             raise Fallback(
                 f"data connection to {address}: {exc or type(exc).__name__}",
-                transport="tcp", path_failed=conclusive,
+                transport="tcp", path_failed=conclusive, turned_away=closed_by_producer,
             ) from None  # fmt: skip
         if answer != ACCEPTED:
             self.abort()

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 
 from kvpark import ClientClosedError, KVConsumer, KVParker, Reason
 
@@ -79,6 +80,17 @@ def test_a_lookup_held_in_an_interceptor_past_close_raises_client_closed() -> No
     held = HeldUntilClosed()
     consumer = KVConsumer(UNREACHABLE, interceptors=[held], timeout=30)
     raised = closed_while_held(consumer, held, lambda: consumer.lookup(["held"]))
+    assert isinstance(raised, ClientClosedError), repr(raised)
+
+
+@pytest.mark.parametrize("call", ["release", "server_info"])
+def test_a_parkers_unary_call_held_in_an_interceptor_past_close_raises_client_closed(
+    call: str,
+) -> None:
+    held = HeldUntilClosed()
+    parker = KVParker(UNREACHABLE, interceptors=[held], timeout=30)
+    unary = (lambda: parker.release("held")) if call == "release" else parker.server_info
+    raised = closed_while_held(parker, held, unary)
     assert isinstance(raised, ClientClosedError), repr(raised)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import threading
 import types
 from typing import Any
@@ -20,6 +21,7 @@ from conftest import MiB, running_producer, wait_until
 
 from kvpark import KVConsumer, KVParker
 from kvpark.address import Address
+from kvpark.client._tcp import TURNED_AWAY_IN_A_ROW
 from kvpark.producer import data_listener
 from kvpark.producer.data_listener import MAX_HANDSHAKES, DataListener
 
@@ -125,6 +127,41 @@ async def test_a_connection_turned_away_for_its_host_costs_one_load_not_the_path
             assert (await asyncio.to_thread(parker.park, "welcome", [chunk])).ok
             second = await asyncio.to_thread(c.load, "welcome", num_chunks=1)
             assert second.ok and second.transport == "tcp", second
+
+
+async def test_a_data_port_that_always_turns_connections_away_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer (or a proxy in front of it) that takes every new data connection and then
+    resets it unanswered: one such connection costs only its load, but TURNED_AWAY_IN_A_ROW
+    of them with none accepted in between is a path that never works, and TCP is left out
+    for RETRY_AFTER_S instead of costing every load a connect and a reset."""
+    refuse = DataListener._refuse
+
+    def reset(listener: DataListener, conn: socket.socket, peer: Any, exc: Exception) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        refuse(listener, conn, peer, exc)
+
+    def turn_away(*_: Any) -> Any:
+        raise ConnectionRefusedError("every ticket turned away")
+
+    monkeypatch.setattr(DataListener, "_refuse", reset)
+    monkeypatch.setattr(DataListener, "_answer", turn_away)
+    loads = TURNED_AWAY_IN_A_ROW + 2
+    async with running_producer(**SETTINGS) as server:
+        assert server.data is not None
+
+        def park_and_load_all() -> list[Any]:
+            with KVParker(server.target) as parker, KVConsumer(
+                server.target, transport="tcp"
+            ) as consumer:  # fmt: skip
+                for i in range(loads):
+                    assert parker.park(f"away-{i}", [np.ones(1024, np.uint8)]).ok
+                return [consumer.load(f"away-{i}", num_chunks=1) for i in range(loads)]
+
+        results = await asyncio.to_thread(park_and_load_all)
+        assert all(r.ok and r.transport == "grpc" for r in results), results
+        assert server.data.refused == TURNED_AWAY_IN_A_ROW
 
 
 async def test_stopping_twice_is_harmless() -> None:
