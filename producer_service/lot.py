@@ -297,9 +297,12 @@ class Lot:
         self.settings = settings
         self.epoch = epoch
         self.clock = clock
-        self.max_batch_bytes = min(settings.max_batch_bytes or pool.pool_bytes, pool.pool_bytes)
-        # ... in the pages a batch's chunks take, each rounded up to whole pages.
-        self.max_batch_pages = pool.pages_for(self.max_batch_bytes)
+        # Whole pages, at least one: a batch's chunks are counted in the pages they take, so a
+        # limit between two page counts would let an undeclared batch store up to a page more
+        # than the `max_batch_bytes` it is told (and a declared one of the same size is refused).
+        limit = min(settings.max_batch_bytes or pool.pool_bytes, pool.pool_bytes)
+        self.max_batch_pages = max(1, limit // pool.page_bytes)
+        self.max_batch_bytes = self.max_batch_pages * pool.page_bytes
         self._entries: dict[str, _Entry] = {}
         self._timers: LeaseQueue[_Entry] = LeaseQueue()
         self._seq = itertools.count()

@@ -150,6 +150,27 @@ async def test_a_batch_larger_than_its_share_of_the_pool_is_too_large() -> None:
             assert info.max_batch_bytes == 4 * MiB
 
 
+async def test_a_share_between_two_page_counts_is_whole_pages_for_every_check() -> None:
+    """A quarter of 10 pages is 2.5: the limit is 2 pages, in ServerInfo, for a declared batch
+    and for what an undeclared one stores (chunks take whole pages), so a batch of 3 pages is
+    TOO_LARGE whether it was declared or not."""
+    page = 256 * 1024
+    three = {i: bytes([i]) * page for i in range(3)}
+    async with running_producer(
+        pool_bytes=10 * page, max_chunk_bytes=page, max_batch_share=0.25
+    ) as server:
+        async with stub_for(server) as stub:
+            info = await stub.GetServerInfo(pb.GetServerInfoRequest())
+            assert info.max_batch_bytes == 2 * page
+            streamed = await park(stub, "s", three)
+            assert (streamed.status, streamed.reason) == (pb.STATUS_FAILED, pb.REASON_TOO_LARGE)
+            assert_nothing_left(server, "s")
+            declared = await park(stub, "d", three, batch_bytes=3 * page)
+            assert (declared.status, declared.reason) == (pb.STATUS_FAILED, pb.REASON_TOO_LARGE)
+            fits = await park(stub, "f", {0: three[0], 1: three[1]}, batch_bytes=2 * page)
+            assert fits.status == pb.STATUS_OK
+
+
 async def test_shutdown_answers_an_idle_park_stream_in_band() -> None:
     """A Park handler waiting for its client's next message learns of the shutdown at once and
     answers SHUTTING_DOWN in-band, rather than the call ending UNAVAILABLE."""
