@@ -33,6 +33,7 @@ from kvpark.tcp_frames import (
 )
 
 from ._data_connections import DataConnections
+from ._resolve import connect
 from ._result import Reason
 from ._session import LoadSession, Step
 from ._timeouts import CONCLUSIVE_TIMEOUT_S, OUT_OF_BAND_SHARE
@@ -157,7 +158,7 @@ class TcpReceiver:
         fresh_s = deadline - time.monotonic()  # what the new connection had, for `conclusive`
         connected = False
         try:
-            sock = socket.create_connection((address.host, address.port), timeout=left())
+            sock = connect(address, left())
             connected = True
             self._sock = sock
             self._check_aborted()  # abort() ran while we connected: it could not close this

@@ -1,0 +1,101 @@
+"""A data connection's name lookup stays inside the load's budget: a DNS server that never
+answers costs a load its connect budget and a fallback to the gRPC stream, not its whole
+timeout (or, unbounded, for ever on the caller's thread). A lookup that answers late serves
+the loads after it, and loads share one lookup of a name. An IP address is never looked up.
+
+The slow DNS server is a stand-in for `socket.getaddrinfo` (no resolver this machine runs can
+be made slow on purpose); everything else is real: the producer, its data listener, the
+gRPC channel (which resolves "localhost" on its own, in grpc's core)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import MiB, running_producer, wait_until
+
+from kvpark import KVConsumer, KVParker
+from kvpark.address import Address
+from kvpark.client import _resolve
+
+HOST = "localhost"
+
+
+class SlowDns:
+    """`socket.getaddrinfo` that holds every lookup of HOST until `answer()`."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self._answered = threading.Event()
+        self._real = socket.getaddrinfo
+
+    def __call__(self, host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == HOST:
+            self.lookups += 1
+            self._answered.wait()
+        return self._real(host, *args, **kwargs)
+
+    def answer(self) -> None:
+        self._answered.set()
+
+
+@pytest.fixture
+def slow_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowDns]:
+    dns = SlowDns()
+    monkeypatch.setattr(socket, "getaddrinfo", dns)
+    monkeypatch.setattr(_resolve, "_cache", {})
+    monkeypatch.setattr(_resolve, "_in_flight", {})
+    yield dns
+    dns.answer()  # the lookup thread ends
+
+
+def park_and_load(server_target: str, kid: str) -> tuple[Any, bool]:
+    """Parks 2 MiB under `kid` on the producer, then loads it from "localhost:PORT" with a
+    new client (transport auto: TCP offered); the result and whether every byte arrived."""
+    data = np.random.default_rng(list(kid.encode())).integers(0, 256, 2 * MiB, dtype=np.uint8)
+    with KVParker(server_target) as parker:
+        assert parker.park(kid, [data[:MiB], data[MiB:]]).ok
+    port = Address.parse(server_target).port
+    into = np.zeros_like(data)
+    with KVConsumer(f"{HOST}:{port}", timeout=30) as consumer:
+        result = consumer.load(kid, num_chunks=2, into=into)
+    return result, bool(np.array_equal(into, data))
+
+
+async def test_a_lookup_that_never_answers_costs_the_load_a_fallback_only(
+    slow_dns: SlowDns,
+) -> None:
+    async with running_producer(data_listen="127.0.0.1:0") as server:
+        result, whole = await asyncio.to_thread(park_and_load, server.target, "never")
+        assert result.ok and whole
+        assert result.transport == "grpc"
+        assert slow_dns.lookups == 1
+
+
+async def test_a_late_answer_serves_the_next_loads_and_one_lookup_serves_them_all(
+    slow_dns: SlowDns,
+) -> None:
+    async with running_producer(data_listen="127.0.0.1:0") as server:
+        first, whole = await asyncio.to_thread(park_and_load, server.target, "first")
+        assert first.ok and whole and first.transport == "grpc"
+        slow_dns.answer()
+        await wait_until(
+            lambda: any(host == HOST for host, _ in _resolve._cache), what="the late answer kept"
+        )
+        for kid in ("second", "third"):
+            result, whole = await asyncio.to_thread(park_and_load, server.target, kid)
+            assert result.ok and whole and result.transport == "tcp"
+        assert slow_dns.lookups == 1
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_an_ip_address_is_never_looked_up(slow_dns: SlowDns, host: str) -> None:
+    (family, _, _, sockaddr), *rest = _resolve.addresses(Address(host, 7000), timeout_s=0)
+    assert not rest and sockaddr[:2] == (host, 7000)
+    assert family == (socket.AF_INET6 if ":" in host else socket.AF_INET)
+    assert slow_dns.lookups == 0
