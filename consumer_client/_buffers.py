@@ -46,10 +46,13 @@ def byte_view(into: Any, what: str = "into", *, writable: bool = True) -> ByteAr
             view = memoryview(into)
         except TypeError:
             if not hasattr(into, "__array_interface__"):
-                raise UsageError(
-                    f"{what}: expected a writable buffer (numpy array, bytearray, memoryview), "
-                    f"got {type(into).__name__}"
-                ) from None
+                expected = (
+                    "a writable buffer (numpy array, bytearray, memoryview)"
+                    if writable
+                    else "a buffer (numpy array, bytes, bytearray, memoryview)"
+                )
+                got = type(into).__name__
+                raise UsageError(f"{what}: expected {expected}, got {got}") from None
             array = np.asarray(into)
         else:
             if view.readonly and writable:

@@ -340,13 +340,18 @@ class ClientCore:
     def uses_shm(self) -> bool:
         return self.transport in ("auto", "shm")
 
-    def lends_blind(self) -> bool:
+    def lends_blind(self, stages: bool = False) -> bool:
         """True when a call is about to lend over shared memory (the caller made a shared
-        buffer, or asked for "shm") while the producer's epoch is unknown. The call then reads
-        ServerInfo first, once per client: the shm socket's producer is checked against it
-        before a buffer is lent, and an unchecked socket is not used, so without it the first
-        such call would go over the gRPC stream for no reason."""
-        wanted = self.transport == "shm" or (self.transport == "auto" and self.shm.has_buffers)
+        buffer, or asked for "shm", or, with `stages`, the call copies what is not in a shared
+        buffer into a lent staging buffer over the socket the client was given) while the
+        producer's epoch is unknown. The call then reads ServerInfo first, once per client:
+        the shm socket's producer is checked against it before a buffer is lent, so nothing
+        is lent to another process's socket, and the producer's advertised socket is known,
+        so the first such call does not go over the gRPC stream for no reason."""
+        staged = stages and self.shm.has_socket
+        wanted = self.transport == "shm" or (
+            self.transport == "auto" and (self.shm.has_buffers or staged)
+        )
         return wanted and self.info is None and not self.closed
 
     def accept_transports(self) -> tuple[tuple[pb.Transport, ...], float | None]:
@@ -482,14 +487,19 @@ class ClientBase:
 
 
 def read_info_before_lending(
-    core: ClientCore, server_info: Callable[..., Any], timeout: TimeoutArg, into: Any = None
+    core: ClientCore,
+    server_info: Callable[..., Any],
+    timeout: TimeoutArg,
+    into: Any = None,
+    *,
+    stages: bool = False,
 ) -> float:
-    """One ServerInfo call when `core.lends_blind()`, inside the call's own limits (see
+    """One ServerInfo call when `core.lends_blind(stages)`, inside the call's own limits (see
     `_info_read_limit`). Returns when the call began, so that the call's deadlines and its
     elapsed time count the read. A producer that cannot be reached is left for the call to
     report, as a value."""
     started = time.monotonic()
-    if core.lends_blind():
+    if core.lends_blind(stages):
         with contextlib.suppress(RPCError):
             server_info(timeout=_info_read_limit(core, timeout, into))
     return started
@@ -500,10 +510,12 @@ async def aread_info_before_lending(
     server_info: Callable[..., Awaitable[Any]],
     timeout: TimeoutArg,
     into: Any = None,
+    *,
+    stages: bool = False,
 ) -> float:
     """As `read_info_before_lending`, for the async clients."""
     started = time.monotonic()
-    if core.lends_blind():
+    if core.lends_blind(stages):
         with contextlib.suppress(RPCError):
             await server_info(timeout=_info_read_limit(core, timeout, into))
     return started

@@ -25,6 +25,7 @@ from kvpark import wire
 from kvpark.checksum import crc32c_of
 from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.shm import LEND_ENDED, LEND_UNKNOWN
 
 from ._buffers import byte_view
 from ._errors import StatusRule, UsageError, classify_status, error_for
@@ -47,6 +48,9 @@ RETRY_CALL_BUDGET_S = 0.1
 # still copy at once and a refusal still stops a large batch early.
 REFS_PER_MESSAGE = 64
 REFS_MESSAGE_BYTES = 16 * 2**20
+# A Park refused for its lend alone (kvpark.shm): only such a Park is worth sending again
+# inline.
+LEND_REFUSALS = (LEND_UNKNOWN, LEND_ENDED)
 
 ChunkPayload = Any  # a buffer, or a list/tuple of buffers sent as one chunk
 Chunks = Sequence[ChunkPayload] | Sequence[tuple[int, ChunkPayload]] | Mapping[int, ChunkPayload]
@@ -165,6 +169,11 @@ def batch_frames(
     yield frames.commit()
 
 
+def lend_refused(code: grpc.StatusCode | None, details: str) -> bool:
+    """Whether a Park that ended with `code` and `details` was refused for its lend alone."""
+    return code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(LEND_REFUSALS)
+
+
 def crc_of(chunk: PreparedChunk) -> int:
     crc = 0
     for part in chunk.parts:
@@ -270,7 +279,8 @@ class ParkResult:
     elapsed_s: float = 0.0
     # The gRPC status the last call ended with when it ended with an error status.
     grpc_code: grpc.StatusCode | None = None
-    # Which transport carried the bytes.
+    # Which transport carried the bytes (for a call that ended with an error status: the one
+    # it used).
     transport: str = "grpc"
 
     @property
@@ -338,14 +348,15 @@ class ParkOutcome:
         )
 
     def failed(
-        self, code: grpc.StatusCode | None, details: str, *, quiet: bool = False
+        self, code: grpc.StatusCode | None, details: str, transport: str = "grpc"
     ) -> ParkResult:
         """The call ended with an error status: a value for transport failures, an exception
-        for statuses that mean misuse or misconfiguration (as for loads). `quiet`: an
-        INVALID_ARGUMENT is a value too (a shared-memory park the caller retries inline)."""
+        for statuses that mean misuse or misconfiguration (as for loads). A refused lend is a
+        value too: the caller sends the chunks again inline when it still can. `transport`:
+        the one the call used."""
         self.attempts += 1
         rule = classify_status(code)
-        if quiet and code == grpc.StatusCode.INVALID_ARGUMENT:
+        if lend_refused(code, details):
             rule = StatusRule(code, Reason.RPC_ERROR, rule.error)
         elif rule.load_reason is None:
             raise error_for(code, details, f"Park {self.kv_request_id!r}")
@@ -358,6 +369,7 @@ class ParkOutcome:
             attempts=self.attempts,
             elapsed_s=self._clock() - self.started,
             grpc_code=rule.code,
+            transport=transport,
         )
 
     def retry_wait_s(self, result: ParkResult) -> float | None:

@@ -17,10 +17,12 @@ not go by reference anyway). References go out in groups
 of up to 64 chunks or 16 MiB, the last with the commit, as `park()` sends them: the
 producer's cost is per message. A producer that does not
 hold the lend (it restarted since the buffer was lent) refuses the header with
-INVALID_ARGUMENT before taking any chunk; the batch then starts a new call and sends every
-chunk put so far inline (`inline`), so the fallback to the gRPC stream happens within the
-batch, as for `park()`. Chunks that went by reference are still in the caller's shared buffer
-then (a put from a shared buffer asks the caller to leave those bytes alone until the commit).
+INVALID_ARGUMENT before taking any chunk, its detail saying so (`lend_refused`); the batch then
+starts a new call and sends every chunk put so far inline (`inline`), so the fallback to the
+gRPC stream happens within the batch, as for `park()`. Any other INVALID_ARGUMENT is the
+batch's own fault, inline as much as by reference, so it is the batch's answer. Chunks that
+went by reference are still in the caller's shared buffer then (a put from a shared buffer
+asks the caller to leave those bytes alone until the commit).
 A chunk that went inline is not kept (that memory is the caller's again once `put` returned),
 so a batch that sent one reports the refusal instead (an RPC_ERROR result).
 """
@@ -40,10 +42,14 @@ from ._park import (
     ParkResult,
     PreparedChunk,
     crc_of,
+    lend_refused,
+    prepare,
 )
 from ._shm import ShmAccess
 from ._timeouts import OUT_OF_BAND_SHARE
 
+# Why a batch nothing was put in is not committed (it would park an id of no chunks).
+EMPTY_BATCH = "a batch with no chunk put cannot be committed: put at least one chunk"
 # Where a chunk goes by reference: the lend id, the lent buffer and the chunk's offset in it.
 Place = tuple[str, SharedBuffer, int]
 
@@ -58,6 +64,7 @@ class BatchRoute:
         self._shm = shm
         self._outcome = outcome
         self._started = False
+        self._chunks_put = 0  # `put` calls, those the producer had already ended included
         # The buffer the header's lend is of, once a chunk showed it: chunks in it go by
         # reference without asking the shm socket, chunks elsewhere inline.
         self._lent: SharedBuffer | None = None
@@ -91,6 +98,18 @@ class BatchRoute:
         if lend_id is not None:
             self.frames.lend_id = lend_id
             self.header_at_start = self.opening()
+
+    def prepared(self, chunk_id: object, payload: object) -> PreparedChunk:
+        """The chunk `put` was given, checked, and counted (`empty`)."""
+        chunk = prepare(chunk_id, payload)
+        self._chunks_put += 1
+        return chunk
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was put in the batch. Committing it is misuse, as `park()` with no
+        chunk is: it would park an id of no chunks, which nothing can load."""
+        return not self._chunks_put
 
     def _lend_s(self) -> float | None:
         left = self._outcome.remaining_s()
@@ -171,20 +190,20 @@ class BatchRoute:
     def started(self) -> bool:
         return self._started
 
-    def may_go_inline(self, code: grpc.StatusCode | None) -> bool:
-        """Whether a call that ended with `code` is the producer refusing the lent buffer
-        and every chunk put so far can be sent again (`inline`)."""
+    def may_go_inline(self, code: grpc.StatusCode | None, details: str | None) -> bool:
+        """Whether a call that ended with `code` and `details` is the producer refusing the
+        lent buffer and every chunk put so far can be sent again (`inline`)."""
         return (
             bool(self.frames.lend_id)
-            and code == grpc.StatusCode.INVALID_ARGUMENT
+            and lend_refused(code, details or "")
             and not self._inline_sent
         )
 
     def forget_lend(self) -> None:
         """The producer refused the lend the header named: forgotten, so the next use of the
-        buffer lends it anew (blocking I/O on the shm socket)."""
+        buffer lends it anew."""
         if self._shm is not None and self.frames.lend_id:
-            self._shm.settle(self.frames.lend_id)
+            self._shm.forget_refused(self.frames.lend_id)
 
     def inline(self) -> list[bytes]:
         """The frames of a new call that sends every chunk put so far inline (after
@@ -206,7 +225,7 @@ class BatchRoute:
     ) -> ParkResult:
         """The batch's result from an error status; a refused lend that could not go inline
         is a value, as for `park()`."""
-        return outcome.failed(code, details or "", quiet=bool(self.frames.lend_id))
+        return outcome.failed(code, details or "", self.transport)
 
     def finished(self) -> None:
         """The batch ended: its references to the caller's memory go."""

@@ -99,6 +99,12 @@ class ShmAccess:
         """Whether the caller made shared buffers (shared_buffer()) on this client."""
         return bool(self._buffers)
 
+    @property
+    def has_socket(self) -> bool:
+        """Whether the client was given its shm socket (else it uses the one its producer
+        advertises in ServerInfo)."""
+        return bool(self._path)
+
     def lend_of(
         self, obj: Any, timeout_s: float | None = None
     ) -> tuple[str, memoryview, int, int] | None:
@@ -165,10 +171,9 @@ class ShmAccess:
             self._staging_busy = False
 
     def settle(self, lend_id: str, timeout_s: float | None = None) -> None:
-        """After a Fetch naming `lend_id` was cut off (timeout, cancel), or a Park naming it
-        was refused (the producer no longer holds it): returns once the producer says no copy
-        for that call runs any more, so the caller may reuse the memory the call owned without
-        a late copy landing in it.
+        """After a Fetch naming `lend_id` was cut off (timeout, cancel): returns once the
+        producer says no copy for that call runs any more, so the caller may reuse the memory
+        the call owned without a late copy landing in it.
 
         For a call id only that call's copies are waited for and the lend stays, so other
         loads into the same buffer go on over shared memory. For a lend id the lend ends,
@@ -196,6 +201,16 @@ class ShmAccess:
             return
         if not still_lent:
             self._forget_lend(lent)
+
+    def forget_refused(self, lend_id: str) -> None:
+        """After a Park naming `lend_id` was refused for its lend (the producer does not hold
+        it): the buffer is lent anew on its next use, and the old lend's release goes with
+        that lend. Nothing waits for the release now: the producer maps a Park lend read-only,
+        so no late copy can land in the caller's memory, and the park keeps its time for
+        sending the chunks inline."""
+        self._forget_lend(lend_id)
+        with self._lock:
+            self._unreleased.append(lend_id)
 
     def _for_one_call(self, lend_id: str) -> str:
         """The id one Fetch names: a call id of the lend when the producer takes them, so a
@@ -231,7 +246,7 @@ class ShmAccess:
             self._release_unused(lender, unused, deadline)
         if self._closed:
             return None
-        if known is not None:
+        if known is not None and lender is not None and self._of_our_producer(lender):
             return known
         lender = self._connected(_left(deadline))
         if lender is None:
@@ -296,8 +311,14 @@ class ShmAccess:
             return None  # another thread is still connecting: this call goes without
         try:
             with self._lock:
-                if self._lender is not None and self._lender.connected:
-                    return self._lender
+                kept = self._lender
+            if kept is not None and kept.connected:
+                if self._of_our_producer(kept):
+                    return kept
+                # Connected before the producer's epoch was known, or to a process that has
+                # gone since: a new connection, checked as any, tells which.
+                kept.close()
+            with self._lock:
                 if time.monotonic() < self._down_until or self._closed:
                     return None
                 path = self._path or self._advertised_path()
@@ -310,8 +331,7 @@ class ShmAccess:
             except ShmUnavailable as exc:
                 self._down(f"shm socket {path}: {exc}", exc, left)
                 return None
-            expected = self._producer_epoch()
-            if expected is not None and epoch != expected:
+            if not self._of_our_producer(lender):
                 lender.close()
                 self._down(f"shm socket {path} belongs to another producer (epoch {epoch})")
                 return None
@@ -321,6 +341,12 @@ class ShmAccess:
             return lender
         finally:
             self._connecting.release()
+
+    def _of_our_producer(self, lender: ShmLender) -> bool:
+        """Whether `lender` is connected to the producer the client talks gRPC to, as far as
+        the client knows: a socket of another process is never lent to."""
+        expected = self._producer_epoch()
+        return expected is None or lender.epoch == expected
 
     def _down(self, why: str, exc: Exception | None = None, timeout_s: float | None = None) -> None:
         # A request that had too little time to tell says nothing of the socket: the next

@@ -66,12 +66,12 @@ from ._park import (
     batch_frames,
     check_batch_bytes,
     check_total,
+    lend_refused,
     monotonic,
     plan_shm,
-    prepare,
     prepare_all,
 )
-from ._park_route import BatchRoute
+from ._park_route import EMPTY_BATCH, BatchRoute
 from ._shm import ShmAccess
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
 
@@ -214,14 +214,14 @@ class KVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
-        read_info_before_lending(self._core, self.server_info, timeout)
+        read_info_before_lending(self._core, self.server_info, timeout, stages=True)
         plan = plan_shm(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
                 frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
                 result = self._call(outcome, iter(batch_frames(frames, prepared, plan)), plan)
-                if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
-                    self._core.shm.settle(plan.lend_id)  # the next park lends it anew
+                if plan is not None and lend_refused(result.grpc_code, result.detail):
+                    self._core.shm.forget_refused(plan.lend_id)  # the next park lends it anew
                     self._unplan(plan)
                     plan = None  # the producer holds no such lend: inline
                     continue
@@ -241,6 +241,7 @@ class KVParker(ClientBase):
         self, outcome: ParkOutcome, requests: Iterator[bytes], plan: ShmPlan | None
     ) -> ParkResult:
         _, park = self._stubs()
+        transport = "shm" if plan else "grpc"
         try:
             raw = self._core.start_call(
                 park, requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
@@ -248,8 +249,8 @@ class KVParker(ClientBase):
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.CANCELLED:
                 self._core.check_open()
-            return outcome.failed(exc.code(), exc.details() or "", quiet=plan is not None)
-        result = outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+            return outcome.failed(exc.code(), exc.details() or "", transport)
+        result = outcome.answered(pb.ParkResponse.FromString(raw), transport)
         self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
         return result
 
@@ -272,7 +273,9 @@ class KVParker(ClientBase):
         route = BatchRoute(frames, shm, outcome, can_lend=True)
         route.lend_at_start()
         _, park = self._stubs()
-        return self._core.start_call(ParkBatch, park, self._core.channel.metadata, route, outcome)
+        return self._core.start_call(
+            ParkBatch, park, self._core.channel.metadata, route, outcome, self._core.check_open
+        )
 
     def release(
         self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
@@ -311,11 +314,19 @@ class ParkBatch:
     `with` block commits it, or undoes it when the block raised. Chunks in one of the parker's
     shared buffers go by reference (kvpark/client/_park_route.py)."""
 
-    def __init__(self, park: Any, metadata: Any, route: BatchRoute, outcome: ParkOutcome) -> None:
+    def __init__(
+        self,
+        park: Any,
+        metadata: Any,
+        route: BatchRoute,
+        outcome: ParkOutcome,
+        check_open: Callable[[], None],
+    ) -> None:
         self._park = park
         self._metadata = metadata
         self._route = route
         self._outcome = outcome
+        self._check_open = check_open  # ClientClosedError once the parker closed
         self._ended = False
         self.result: ParkResult | None = None
         self._start()
@@ -339,12 +350,17 @@ class ParkBatch:
         if not self._future.done() or self._future.cancelled():
             return False
         failure = self._future.exception()
-        return isinstance(failure, grpc.RpcError) and self._route.may_go_inline(failure.code())
+        return isinstance(failure, grpc.RpcError) and self._route.may_go_inline(
+            failure.code(), failure.details()
+        )
 
     def _went_inline(self) -> bool:
         """After a refused lend: a new call now carries every chunk put so far inline."""
         if not self._lend_refused():
             return False
+        # Closing the parker ends its lends too, so a refusal may come from the close: no
+        # new call then (grpc refuses one on a closed channel), the batch ends as the close.
+        self._check_open()
         self._route.forget_lend()
         self._start()
         for frame in self._route.inline():
@@ -364,7 +380,7 @@ class ParkBatch:
         bytes unchanged until the batch is committed."""
         if self._ended:
             raise UsageError("put on a batch that was already committed or undone")
-        chunk = prepare(chunk_id, payload)
+        chunk = self._route.prepared(chunk_id, payload)
         if self._future.done() and not self._went_inline():
             return False
         place = self._route.place_of(chunk)
@@ -373,9 +389,14 @@ class ParkBatch:
         return not self._future.done() or self._went_inline()
 
     def commit(self) -> ParkResult:
-        """Sends the commit and waits for the producer's answer (done by a clean `with` exit)."""
+        """Sends the commit and waits for the producer's answer (done by a clean `with` exit).
+        A batch nothing was put in is undone instead: UsageError, as for `park` with no chunk;
+        ClientClosedError once the parker was closed, as for `park`."""
         if self._ended:
             raise UsageError("the batch was already committed or undone")
+        if self._route.empty:
+            self.abort()  # nothing to park: the call ends and the producer keeps nothing
+            raise UsageError(EMPTY_BATCH)
         self._ended = True
         if not self._route.started:
             self._frames.send(self._route.opening())
@@ -390,6 +411,8 @@ class ParkBatch:
                 except grpc.RpcError as exc:
                     if self._went_inline():
                         continue
+                    if exc.code() is grpc.StatusCode.CANCELLED:
+                        self._check_open()
                     self.result = self._route.failed(self._outcome, exc.code(), exc.details())
                 return self.result
         finally:
@@ -515,7 +538,7 @@ class AsyncKVParker(ClientBase):
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
-        await aread_info_before_lending(self._core, self.server_info, timeout)
+        await aread_info_before_lending(self._core, self.server_info, timeout, stages=True)
         plan = await _planned(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
@@ -528,9 +551,8 @@ class AsyncKVParker(ClientBase):
                         yield frame
 
                 result = await self._call(outcome, requests(), plan)
-                if plan is not None and result.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
-                    # The next park lends it anew; settling waits on the shm socket: off the loop.
-                    await asyncio.to_thread(self._core.shm.settle, plan.lend_id)
+                if plan is not None and lend_refused(result.grpc_code, result.detail):
+                    self._core.shm.forget_refused(plan.lend_id)  # the next park lends it anew
                     if plan.staged:
                         self._core.shm.unstage()
                     plan = None  # the producer holds no such lend: inline
@@ -547,18 +569,19 @@ class AsyncKVParker(ClientBase):
         self, outcome: ParkOutcome, requests: AsyncIterator[bytes], plan: ShmPlan | None
     ) -> ParkResult:
         _, park = self._stubs()
+        transport = "shm" if plan else "grpc"
         try:
             raw = await park(
                 requests, timeout=outcome.remaining_s(), metadata=self._core.channel.metadata
             )
         except grpc.aio.AioRpcError as exc:
-            return outcome.failed(exc.code(), exc.details() or "", quiet=plan is not None)
+            return outcome.failed(exc.code(), exc.details() or "", transport)
         except asyncio.CancelledError:
             if caller_cancelled():
                 raise
             self._core.check_open()
-            return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled")
-        result = outcome.answered(pb.ParkResponse.FromString(raw), "shm" if plan else "grpc")
+            return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled", transport)
+        result = outcome.answered(pb.ParkResponse.FromString(raw), transport)
         self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
         return result
 
@@ -580,7 +603,9 @@ class AsyncKVParker(ClientBase):
         # Lending may need the producer's epoch first: read before the first chunk is routed.
         core, info = self._core, self.server_info
         lending = functools.partial(aread_info_before_lending, core, info, timeout)
-        return AsyncParkBatch(park, self._core.channel.metadata, route, outcome, lending)
+        return AsyncParkBatch(
+            park, self._core.channel.metadata, route, outcome, core.check_open, lending
+        )
 
     async def release(
         self, kv_request_id: str, *, timeout: TimeoutArg = USE_CLIENT_DEFAULT
@@ -622,12 +647,14 @@ class AsyncParkBatch:
         metadata: Any,
         route: BatchRoute,
         outcome: ParkOutcome,
+        check_open: Callable[[], None],
         before_first_put: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self._park = park
         self._metadata = metadata
         self._route = route
         self._outcome = outcome
+        self._check_open = check_open  # ClientClosedError once the parker closed
         self._before_first_put = before_first_put
         self._ended = False
         self.result: ParkResult | None = None
@@ -653,21 +680,22 @@ class AsyncParkBatch:
         call.add_done_callback(ended)
 
     async def _note_status(self, call: Any) -> None:
-        refused = call.cancelled() is False and self._route.may_go_inline(await call.code())
+        refused = await self._lend_refused(call)
         if call is self._call:
             self._refused = refused
 
-    async def _lend_refused(self) -> bool:
-        """As `ParkBatch._lend_refused`."""
-        if not self._call.done() or self._call.cancelled():
+    async def _lend_refused(self, call: Any) -> bool:
+        """As `ParkBatch._lend_refused`, for `call`."""
+        if not call.done() or call.cancelled():
             return False
-        return self._route.may_go_inline(await self._call.code())
+        return self._route.may_go_inline(await call.code(), await call.details())
 
     async def _went_inline(self) -> bool:
         """As `ParkBatch._went_inline`."""
-        if not await self._lend_refused():
+        if not await self._lend_refused(self._call):
             return False
-        await asyncio.to_thread(self._route.forget_lend)
+        self._check_open()  # as in ParkBatch._went_inline
+        self._route.forget_lend()
         self._start()
         for frame in self._route.inline():
             await self._frames.send(frame)
@@ -682,7 +710,7 @@ class AsyncParkBatch:
         """As `ParkBatch.put`."""
         if self._ended:
             raise UsageError("put on a batch that was already committed or undone")
-        chunk = prepare(chunk_id, payload)
+        chunk = self._route.prepared(chunk_id, payload)
         if self._call.done() and not await self._went_inline():
             return False
         if not self._route.started and self._before_first_put is not None:
@@ -696,9 +724,12 @@ class AsyncParkBatch:
         return not self._call.done() or await self._went_inline()
 
     async def commit(self) -> ParkResult:
-        """Sends the commit and waits for the producer's answer (done by a clean exit)."""
+        """As `ParkBatch.commit` (done by a clean exit)."""
         if self._ended:
             raise UsageError("the batch was already committed or undone")
+        if self._route.empty:
+            self.abort()  # nothing to park: the call ends and the producer keeps nothing
+            raise UsageError(EMPTY_BATCH)
         self._ended = True
         if not self._route.started:
             await self._frames.send(self._route.opening())
@@ -713,7 +744,17 @@ class AsyncParkBatch:
                 except grpc.aio.AioRpcError as exc:
                     if await self._went_inline():
                         continue
+                    if exc.code() is grpc.StatusCode.CANCELLED:
+                        self._check_open()
                     self.result = self._route.failed(self._outcome, exc.code(), exc.details())
+                except asyncio.CancelledError:
+                    # The parker's aclose() cancels the call; only the caller's own cancel
+                    # cancels the caller.
+                    if caller_cancelled():
+                        raise
+                    self._check_open()
+                    cancelled = grpc.StatusCode.CANCELLED
+                    self.result = self._route.failed(self._outcome, cancelled, "call cancelled")
                 return self.result
         finally:
             self._route.finished()

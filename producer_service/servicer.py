@@ -27,6 +27,7 @@ import grpc
 from kvpark import wire
 from kvpark.ids import id_problem, printable_id
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.shm import LEND_ENDED, LEND_UNKNOWN
 
 from .data_listener import DataListener
 from .data_threads import DataThreads
@@ -146,7 +147,7 @@ class KVProducerServicer:
                 held.enter_context(lent.acquire())  # mapped until the last fill is done
             except LendGone:
                 self._lot.abort_park(batch)
-                await _invalid(context, "the lent buffer was released before the Park used it")
+                await _invalid(context, f"{LEND_ENDED} before the Park used it")
             fills = LentChunks(self._lot, batch, lent.view, self._threads)
         try:
             async for raw in requests:
@@ -190,7 +191,7 @@ class KVProducerServicer:
             return None
         lent = self._shm.get(header.shm_lend_id, "park") if self._shm is not None else None
         if lent is None:
-            await _invalid(context, "shm_lend_id names no buffer lent to this producer for Park")
+            await _invalid(context, f"{LEND_UNKNOWN} to this producer for Park")
         return lent
 
     async def _park_chunk_refs(
@@ -298,9 +299,7 @@ class KVProducerServicer:
                     try:
                         held.enter_context(lent.acquire())  # mapped until the last copy
                     except LendGone:
-                        await _invalid(
-                            context, "the lent buffer was released before the Fetch used it"
-                        )
+                        await _invalid(context, f"{LEND_ENDED} before the Fetch used it")
                 destination = await self._open(transport, binding, request, lent, context)
                 held.callback(destination.close)
                 batch_bytes = FIRST_BATCH_BYTES
@@ -338,7 +337,7 @@ class KVProducerServicer:
         assert self._shm is not None
         lent = self._shm.get(request.shm_lend_id, "fetch")
         if lent is None:
-            await _invalid(context, "shm_lend_id names no buffer lent to this producer for Fetch")
+            await _invalid(context, f"{LEND_UNKNOWN} to this producer for Fetch")
         if not 0 < request.shm_length <= lent.nbytes - request.shm_offset:
             await _invalid(
                 context,

@@ -35,6 +35,12 @@ from numpy.typing import NDArray
 PARK_ROLE = "park"
 FETCH_ROLE = "fetch"
 ROLES = (PARK_ROLE, FETCH_ROLE)
+# How a producer's INVALID_ARGUMENT begins when a Park or Fetch names a lend it does not hold
+# (never lent to it, ended, or lent for the other role), or one that ended before the call used
+# it. Clients send such a call's bytes again without the lend, and only such a call's: any
+# other INVALID_ARGUMENT is the request's own fault, with a lend or without.
+LEND_UNKNOWN = "shm_lend_id names no buffer lent"
+LEND_ENDED = "the lent buffer was released"
 
 # Wire format of the shm socket (a Unix stream socket, strictly request then answer):
 #   every message is a 4-byte big-endian unsigned length N (1..MAX_MESSAGE_BYTES) followed by
