@@ -17,6 +17,12 @@ from typing import Any
 import grpc
 
 from kvpark.address import Address
+from kvpark.producer.config_values import (
+    TOKEN_EXPECTED,
+    holds_pem,
+    is_valid_token,
+    seconds_argument,
+)
 
 from ._errors import UsageError
 from ._sync import KVConsumer
@@ -48,14 +54,9 @@ class TargetOption(argparse.Action):
 
 
 def positive_seconds(text: str) -> float:
-    """argparse type of `--rpc-timeout` and the other durations."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (0 < value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
+    """argparse type of `--rpc-timeout` and the other durations: seconds as the producer takes
+    them, > 0 and at most a week (longer deadlines overflow and end at once)."""
+    return seconds_argument(text)
 
 
 def dialable_target(text: str) -> str:
@@ -126,6 +127,35 @@ def _read(path: Path | None) -> bytes | None:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def _read_pem(path: Path | None) -> bytes | None:
+    """A TLS file's bytes; one without a PEM block is named here, where grpc would only fail
+    the handshake ("Failed to create security handshaker")."""
+    data = _read(path)
+    if data is not None and not holds_pem(data):
+        raise UsageError(f"{path}: holds no PEM block (expected a PEM certificate or key)")
+    return data
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """`--token-file`'s token, else `KVPARK_TOKEN`'s (empty: none), as gRPC metadata takes it.
+    Token values never appear in a message."""
+    token_bytes = _read(args.token_file)
+    if token_bytes is None:
+        token = os.environ.get(TOKEN_ENV) or None
+        origin = TOKEN_ENV
+    else:
+        try:
+            token = token_bytes.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.token_file}: the token is not UTF-8 text") from None
+        if not token:
+            raise UsageError(f"{args.token_file}: the token file is empty")
+        origin = str(args.token_file)
+    if token is not None and not is_valid_token(token):
+        raise UsageError(f"{origin}: expected {TOKEN_EXPECTED} (value not shown)")
+    return token
+
+
 @dataclass(frozen=True)
 class Connection:
     """The token and TLS credentials of the connection options, read once for every target."""
@@ -135,13 +165,7 @@ class Connection:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Connection:
-        token = os.environ.get(TOKEN_ENV) or None
-        token_bytes = _read(args.token_file)
-        if token_bytes is not None:
-            try:
-                token = token_bytes.decode("utf-8").strip() or None
-            except UnicodeDecodeError:
-                raise UsageError(f"{args.token_file}: the token is not UTF-8 text") from None
+        token = _token(args)
         credentials = None
         # A client key names mTLS as much as its certificate does: alone it is a mistake to
         # report, not an option to drop.
@@ -149,9 +173,9 @@ class Connection:
             raise UsageError("--tls-cert and --tls-key go together")
         if args.tls or args.tls_ca or args.tls_cert:
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(args.tls_ca),
-                private_key=_read(args.tls_key),
-                certificate_chain=_read(args.tls_cert),
+                root_certificates=_read_pem(args.tls_ca),
+                private_key=_read_pem(args.tls_key),
+                certificate_chain=_read_pem(args.tls_cert),
             )
         return cls(token, credentials)
 

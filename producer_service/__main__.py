@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         credentials = load_credentials(config)
         configure_logging(config.log_level, config.log_format)
         # Before the pool is allocated: one that cannot fit would get us OOM-killed silently.
-        check_pool_fits(config.pool_bytes, measure_room())
+        check_pool_fits(config.pool_bytes, measure_room(), config.max_tombstones)
     except ConfigError as exc:
         print(f"kvpark-producer: config error: {exc}", file=sys.stderr)
         return 2

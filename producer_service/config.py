@@ -33,8 +33,10 @@ from .config_values import (
     parse_seconds,
     parse_share,
     parse_socket_path,
+    seconds_at_least,
     show,
 )
+from .pool import DEFAULT_PAGE_BYTES
 
 __all__ = ["ENV_PREFIX", "KEYS", "ConfigError", "KeySpec", "ProducerConfig"]
 
@@ -44,6 +46,9 @@ ENV_PREFIX = "KVPARK_"
 MESSAGE_FRAMING_BYTES = 64 * 1024
 # grpc takes those limits as 32-bit ints.
 MAX_CHUNK_BYTES_CEILING = (2**31 - 1 - MESSAGE_FRAMING_BYTES) // 2
+# Shorter reaper gaps buy nothing (leases are seconds long, and the reaper also wakes at the
+# next deadline) and keep an idle producer's event loop spinning.
+MIN_REAP_INTERVAL_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,7 @@ _OPTIONAL_ADDRESS = _Kind(parse_optional_address, "HOST:PORT", "network")
 _ADVERTISED_ADDRESS = _Kind(parse_advertised_address, "HOST:PORT", "network")
 _BYTES = _Kind(parse_bytes, "SIZE", "memory")
 _SECONDS = _Kind(parse_seconds, "SECONDS", "timeouts and limits")
+_REAP_SECONDS = _Kind(seconds_at_least(MIN_REAP_INTERVAL_S), "SECONDS", "timeouts and limits")
 _COUNT = _Kind(parse_count, "COUNT", "timeouts and limits")
 _SHARE = _Kind(parse_share, "SHARE", "memory")
 _LOG_LEVEL = _Kind(choice("debug", "info", "warning", "error"), "LEVEL", "logging")
@@ -145,7 +151,9 @@ class ProducerConfig:
     max_chunk_bytes: int = field(
         default=16 * 1024**2,
         metadata=_key(
-            _BYTES, "largest chunk accepted; must be <= pool_bytes and under 1 GiB (gRPC's limit)"
+            _BYTES,
+            "largest chunk accepted; its whole 256 KiB pages must fit one Park batch "
+            "(pool_bytes x max_batch_share), and it must be under 1 GiB (gRPC's limit)",
         ),
     )
     unbound_store_timeout_s: float = field(
@@ -224,7 +232,7 @@ class ProducerConfig:
     )
     reap_interval_s: float = field(
         default=0.25,
-        metadata=_key(_SECONDS, "longest gap between reaper passes"),
+        metadata=_key(_REAP_SECONDS, "longest gap between reaper passes; >= 0.01"),
     )
     shutdown_grace_s: float = field(
         default=10.0,
@@ -284,12 +292,7 @@ class ProducerConfig:
                 "still waiting on a reaped id sees UNKNOWN instead of its reason",
                 keys=("tombstone_retention_s", "consumer_load_timeout_s"),
             )
-        if self.max_chunk_bytes > self.pool_bytes:
-            raise ConfigError(
-                f"max_chunk_bytes ({self.max_chunk_bytes!r}) must be <= pool_bytes "
-                f"({self.pool_bytes!r})",
-                keys=("max_chunk_bytes", "pool_bytes"),
-            )
+        self._check_chunk_fits_a_batch()
         if self.max_chunk_bytes > MAX_CHUNK_BYTES_CEILING:
             raise ConfigError(
                 f"max_chunk_bytes ({self.max_chunk_bytes!r}) must be <= "
@@ -321,14 +324,13 @@ class ProducerConfig:
                 "TLS nor tokens are set; configure TLS or tokens, or set allow_insecure=true",
                 keys=("data_listen", "allow_insecure"),
             )
-        if data is not None and data.port != 0 and data.port == self.listen_address.port:
-            same_host = data.host == self.listen_address.host or data.is_wildcard
-            if same_host or self.listen_address.is_wildcard:
-                raise ConfigError(
-                    f"data_listen ({self.data_listen!r}) must not use the same address as "
-                    f"listen ({self.listen!r})",
-                    keys=("data_listen", "listen"),
-                )
+        if data is not None and _same_socket(data, self.listen_address):
+            raise ConfigError(
+                f"data_listen ({self.data_listen!r}) must not use the same address as "
+                f"listen ({self.listen!r})",
+                keys=("data_listen", "listen"),
+            )
+        self._check_data_is_reachable()
         if self.is_insecure_exposed and not self.allow_insecure:
             raise ConfigError(
                 f"listen: {self.listen!r} is not a loopback address and neither TLS "
@@ -338,18 +340,55 @@ class ProducerConfig:
                 keys=("listen", "allow_insecure"),
             )
 
+    def _check_chunk_fits_a_batch(self) -> None:
+        """A chunk takes whole pool pages, and one Park batch holds at most max_batch_pages:
+        a largest chunk that takes more pages than that could never be parked (TOO_LARGE)."""
+        if self.pool_pages == 0:
+            raise ConfigError(
+                f"pool_bytes ({self.pool_bytes!r}) must hold at least one "
+                f"{DEFAULT_PAGE_BYTES}-byte page",
+                keys=("pool_bytes",),
+            )
+        chunk_pages = -(-self.max_chunk_bytes // DEFAULT_PAGE_BYTES)
+        if chunk_pages > self.max_batch_pages:
+            raise ConfigError(
+                f"max_chunk_bytes ({self.max_chunk_bytes!r}) takes {chunk_pages} pages of "
+                f"{DEFAULT_PAGE_BYTES} bytes, more than one Park batch may hold: "
+                f"{self.max_batch_pages}, the whole pages of pool_bytes ({self.pool_bytes!r}) "
+                f"x max_batch_share ({self.max_batch_share!r}); lower max_chunk_bytes or raise "
+                "pool_bytes or max_batch_share",
+                keys=("max_chunk_bytes", "pool_bytes", "max_batch_share"),
+            )
+
+    def _check_data_is_reachable(self) -> None:
+        """The data port is offered at the advertised host: a data listener on loopback behind
+        an address other hosts dial would be offered where nobody can connect to it."""
+        data = self.data_address
+        if data is None or not self.advertise_address or not data.is_loopback:
+            return
+        if not Address.parse(self.advertise_address).is_loopback:
+            raise ConfigError(
+                f"data_listen ({self.data_listen!r}) is a loopback address, but its port is "
+                f"offered at the host of advertise_address ({self.advertise_address!r}), "
+                "which other hosts dial; listen on an address they can reach (e.g. "
+                "0.0.0.0:50052) or leave data_listen empty",
+                keys=("data_listen", "advertise_address"),
+            )
+
     def _check_metrics_listen(self) -> None:
         metrics = self.metrics_address
         if metrics is None:
             return
-        listen = self.listen_address
-        same_host = listen.host == metrics.host or listen.is_wildcard or metrics.is_wildcard
-        if listen.port != 0 and listen.port == metrics.port and same_host:
-            raise ConfigError(
-                f"metrics_listen ({self.metrics_listen!r}) must not use the same address as "
-                f"listen ({self.listen!r})",
-                keys=("metrics_listen", "listen"),
-            )
+        others = [("listen", self.listen, self.listen_address)]
+        if self.data_address is not None:
+            others.append(("data_listen", self.data_listen, self.data_address))
+        for key, value, address in others:
+            if _same_socket(metrics, address):
+                raise ConfigError(
+                    f"metrics_listen ({self.metrics_listen!r}) must not use the same address "
+                    f"as {key} ({value!r})",
+                    keys=("metrics_listen", key),
+                )
 
     def _check_tls(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -392,6 +431,18 @@ class ProducerConfig:
         return not (self.listen_is_loopback or self.tls_enabled or self.auth_enabled)
 
     @property
+    def pool_pages(self) -> int:
+        """Whole pages the pool holds: what `pool_bytes` allocates (the rest is left out)."""
+        return self.pool_bytes // DEFAULT_PAGE_BYTES
+
+    @property
+    def max_batch_pages(self) -> int:
+        """Pages one Park batch may reserve or store: `max_batch_share` of the pool, rounded
+        down to whole pages, at least one."""
+        share_bytes = int(self.pool_pages * DEFAULT_PAGE_BYTES * self.max_batch_share)
+        return max(1, share_bytes // DEFAULT_PAGE_BYTES)
+
+    @property
     def data_address(self) -> Address | None:
         """`data_listen` parsed, or None when the TCP data path is off."""
         return Address.parse(self.data_listen) if self.data_listen else None
@@ -429,6 +480,13 @@ class ProducerConfig:
         reject_unknown_keys(changes, "replace")
         kwargs: dict[str, Any] = changes
         return dataclasses.replace(self, **kwargs)
+
+
+def _same_socket(a: Address, b: Address) -> bool:
+    """Whether two listeners would bind the same port on a shared host (port 0: any free one,
+    never a clash)."""
+    same_host = a.host == b.host or a.is_wildcard or b.is_wildcard
+    return a.port != 0 and a.port == b.port and same_host
 
 
 def _spec_of(f: dataclasses.Field[Any]) -> KeySpec:

@@ -7,10 +7,12 @@ the normalized value or one `ConfigError` that names the key and shows the bad v
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from pathlib import PurePosixPath
 
 from kvpark.address import Address
 from kvpark.durations import MAX_SECONDS  # every seconds value: longer is a typo (ms for s)
@@ -53,8 +55,11 @@ def _bad(key: str, expected: str, value: object) -> ConfigError:
     return ConfigError(f"{key}: expected {expected}, got {show(value)}", keys=(key,))
 
 
+_SECONDS_EXPECTED = f"seconds > 0 and <= {MAX_SECONDS} (one week)"
+
+
 def parse_seconds(key: str, value: object) -> float:
-    expected = f"seconds > 0 and <= {MAX_SECONDS} (one week)"
+    expected = _SECONDS_EXPECTED
     # bool is an int subclass and float("1") would accept True: reject it explicitly.
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise _bad(key, expected, value)
@@ -66,6 +71,32 @@ def parse_seconds(key: str, value: object) -> float:
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
         raise _bad(key, expected, value)
     return seconds
+
+
+def seconds_at_least(minimum: float) -> Callable[[str, object], float]:
+    """`parse_seconds` with a floor, for a key whose tiny values are mistakes that cost (a
+    timer that fires thousands of times a second keeps a core busy)."""
+    expected = f"seconds >= {minimum} and <= {MAX_SECONDS} (one week)"
+
+    def parse(key: str, value: object) -> float:
+        try:
+            seconds = parse_seconds(key, value)
+        except ConfigError:
+            raise _bad(key, expected, value) from None
+        if seconds < minimum:
+            raise _bad(key, expected, value)
+        return seconds
+
+    return parse
+
+
+def seconds_argument(text: str) -> float:
+    """argparse type of a command-line duration (the `kvpark` CLI's timeouts, the health
+    probe's): the rule of `parse_seconds`, reported as argparse reports a bad value."""
+    try:
+        return parse_seconds("", text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expected {_SECONDS_EXPECTED}, got {text!r}") from None
 
 
 _SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
@@ -207,22 +238,44 @@ def parse_optional_file(key: str, value: object) -> str | None:
 
 
 def parse_socket_path(key: str, value: object) -> str:
-    """A Unix socket path, or "" for none. Linux limits such paths to 107 bytes."""
+    """An absolute Unix socket path, or "" for none. Linux limits such paths to 107 bytes. The
+    path is published to clients, which connect to it from their own working directory: a
+    relative one would name another file there, or none."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return ""
     if not isinstance(value, str) or "\x00" in value:
         raise _bad(key, "a filesystem path or empty", value)
+    if not PurePosixPath(value).is_absolute():
+        raise _bad(key, "an absolute path (clients connect to it from their own directory)", value)
     if len(value.encode()) > 107:
         raise _bad(key, "a path of at most 107 bytes (the Unix socket limit)", value)
     return value
 
 
+# A token travels as a gRPC metadata value ("Bearer <token>"), which must be printable ASCII:
+# any other character (a UTF-8 byte-order mark from an editor included) fails every call with
+# INTERNAL "Invalid metadata" instead of failing here.
+TOKEN_EXPECTED = "a non-empty token of printable ASCII characters (0x21-0x7E, no spaces)"
+
+
+def is_valid_token(text: str) -> bool:
+    return bool(text) and all("!" <= ch <= "~" for ch in text)
+
+
 def parse_optional_token(key: str, value: object) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not value or any(ch.isspace() for ch in value):
+    if not isinstance(value, str) or not is_valid_token(value):
         raise ConfigError(
-            f"{key}: expected a non-empty token without whitespace, got {_show_secret(value)}",
-            keys=(key,),
+            f"{key}: expected {TOKEN_EXPECTED}, got {_show_secret(value)}", keys=(key,)
         )
     return value
+
+
+_PEM_MARKER = b"-----BEGIN "
+
+
+def holds_pem(data: bytes) -> bool:
+    """Whether a certificate or key file's bytes hold a PEM block at all: what a file named
+    by mistake (a DER file, a token, the wrong path) lacks."""
+    return _PEM_MARKER in data

@@ -13,9 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ProducerConfig
-from .config_values import ConfigError, show
+from .config_values import ConfigError, holds_pem, is_valid_token, show
 
-_PEM_MARKER = b"-----BEGIN "
+
+class _EncryptedKeyError(Exception):
+    """Raised by the password callback: the key file is encrypted."""
+
+
+def _refuse_password() -> bytes:
+    # Called by OpenSSL only for an encrypted key. Without a callback it would ask on the
+    # terminal ("Enter PEM pass phrase:"), hanging a producer started from a shell, or fail
+    # with a bare OSError without one; nothing could hand grpc the pass phrase anyway.
+    raise _EncryptedKeyError
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -67,11 +76,27 @@ def _check_tls_material(config: ProducerConfig) -> None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     if config.tls_cert_file and config.tls_key_file:
         try:
-            context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+            context.load_cert_chain(
+                config.tls_cert_file, config.tls_key_file, password=_refuse_password
+            )
+        except _EncryptedKeyError:
+            raise ConfigError(
+                f"tls_key_file: encrypted private keys are not supported: "
+                f"{show(config.tls_key_file)} asks for a pass phrase; give the key without "
+                "one (e.g. `openssl pkey -in KEY -out PLAIN`) on a volume only the producer "
+                "reads",
+                keys=("tls_key_file",),
+            ) from None
         except ssl.SSLError as exc:
+            # OpenSSL names a mismatch (KEY_VALUES_MISMATCH); a file that holds no
+            # certificate, or no key, it reports without a reason.
+            reason = exc.reason or (
+                "the certificate file holds no certificate or the key file no private key "
+                "(are the two swapped?)"
+            )
             raise ConfigError(
                 f"tls_cert_file / tls_key_file: not a usable certificate and matching key "
-                f"({show(config.tls_cert_file)}, {show(config.tls_key_file)}): {exc.reason}",
+                f"({show(config.tls_cert_file)}, {show(config.tls_key_file)}): {reason}",
                 keys=("tls_cert_file", "tls_key_file"),
             ) from None
     if config.tls_client_ca_file:
@@ -105,8 +130,13 @@ def _token_file(key: str, path: str | None) -> str | None:
     token = text.rstrip("\r\n")  # files written by `echo` or editors end with a newline
     if not token:
         raise ConfigError(f"{key}: token file {show(path)} is empty", keys=(key,))
-    if any(ch.isspace() for ch in token):
-        raise ConfigError(f"{key}: the token in {show(path)} contains whitespace", keys=(key,))
+    if not is_valid_token(token):
+        # gRPC sends tokens as metadata, which must be printable ASCII.
+        raise ConfigError(
+            f"{key}: the token in {show(path)} holds a space or a character outside printable "
+            "ASCII (0x21-0x7E; a byte-order mark counts too)",
+            keys=(key,),
+        )
     return token
 
 
@@ -116,6 +146,6 @@ def _pem_file(key: str, path: str | None) -> bytes | None:
     if path is None:
         return None
     data = _read(key, path)
-    if _PEM_MARKER not in data:
+    if not holds_pem(data):
         raise ConfigError(f"{key}: {show(path)} holds no PEM block", keys=(key,))
     return data

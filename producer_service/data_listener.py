@@ -121,7 +121,11 @@ class DataListener:
         family = socket.AF_INET6 if ":" in self._address.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self._address.host, self._address.port))
+        try:
+            listener.bind((self._address.host, self._address.port))
+        except OSError:
+            listener.close()  # the caller reports the error; the socket must not leak
+            raise
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener

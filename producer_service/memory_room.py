@@ -16,9 +16,10 @@ prefill worker next to it. So before allocating, the producer measures its room:
 - `MemAvailable` from /proc/meminfo: what the kernel can hand out without swapping.
 
 A pool larger than the room is refused with a one-line configuration error naming `pool_bytes`
-(exit 2). A pool that fits but leaves less than the README's sizing margin for gRPC's message
-buffers is allowed with a warning. When nothing can be read (no /proc, an unknown cgroup
-layout), nothing is refused: this check prevents a certain failure, it never guesses one.
+(exit 2). A pool that fits but leaves less than the README's sizing margin (gRPC's message
+buffers, and about 1 KiB per remembered id, `max_tombstones`) is allowed with a warning. When
+nothing can be read (no /proc, an unknown cgroup layout), nothing is refused: this check
+prevents a certain failure, it never guesses one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ MiB = 1024 * 1024
 # This check runs with the start-up part already in use (~35 MiB besides page cache, which it
 # does not count), so it asks for the rest.
 BURST_MARGIN_BYTES = 192 * MiB
+# What one remembered id may cost once its tables are full: a tombstone and a KeepAlive intent,
+# each capped at max_tombstones (~0.08 KiB and ~0.47 KiB, plus an id of up to 256 bytes).
+REMEMBERED_ID_BYTES = 1024
 # cgroup v1 writes "no limit" as a page-rounded LONG_MAX; anything this large is no limit.
 _UNLIMITED = 1 << 60
 
@@ -139,8 +143,9 @@ def measure_room(root: Path = Path("/")) -> MemoryRoom | None:
     return min(rooms, key=lambda room: room.free_bytes) if rooms else None
 
 
-def check_pool_fits(pool_bytes: int, room: MemoryRoom | None) -> None:
-    """Raises ConfigError when the pool cannot fit; warns when it leaves no burst margin."""
+def check_pool_fits(pool_bytes: int, room: MemoryRoom | None, max_tombstones: int = 0) -> None:
+    """Raises ConfigError when the pool cannot fit; warns when it leaves less than the sizing
+    rule's margin: the message buffers of a burst, and the remembered-id tables once full."""
     if room is None:
         return
     if pool_bytes > room.free_bytes:
@@ -150,13 +155,23 @@ def check_pool_fits(pool_bytes: int, room: MemoryRoom | None) -> None:
             "pool_bytes or give the producer more memory (limit >= pool_bytes + 256 MiB)",
             keys=("pool_bytes",),
         )
-    if pool_bytes + BURST_MARGIN_BYTES > room.free_bytes:
+    remembered_ids_bytes = max_tombstones * REMEMBERED_ID_BYTES
+    if pool_bytes + BURST_MARGIN_BYTES + remembered_ids_bytes > room.free_bytes:
         log.warning(
-            "pool_bytes leaves %s for gRPC's message buffers (%s); concurrent multi-MiB "
-            "streams can need ~%s, so the kernel may OOM-kill the producer under load. Size "
-            "the memory limit at pool_bytes + 256 MiB",
+            "pool_bytes leaves %s for gRPC's message buffers and the remembered-id tables "
+            "(%s); concurrent multi-MiB streams can need ~%s and max_tombstones (%d) ids ~%s, "
+            "so the kernel may OOM-kill the producer under load. Size the memory limit at "
+            "pool_bytes + 256 MiB + 1 KiB per max_tombstones, or lower max_tombstones",
             _mib(room.free_bytes - pool_bytes),
             room.source,
             _mib(BURST_MARGIN_BYTES),
-            extra={"kv": {"pool_bytes": pool_bytes, "free_bytes": room.free_bytes}},
+            max_tombstones,
+            _mib(remembered_ids_bytes),
+            extra={
+                "kv": {
+                    "pool_bytes": pool_bytes,
+                    "max_tombstones": max_tombstones,
+                    "free_bytes": room.free_bytes,
+                }
+            },
         )

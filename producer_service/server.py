@@ -15,6 +15,7 @@ import secrets
 import signal
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -95,6 +96,15 @@ def _server_credentials(credentials: Credentials) -> grpc.ServerCredentials:
     )
 
 
+def _bound(key: str, value: str, bind: Callable[[], int]) -> int:
+    """The port `bind` took; its failure (a port in use, a host not on this machine) as an
+    error naming the configuration key, like the gRPC listen's."""
+    try:
+        return bind()
+    except OSError as exc:
+        raise OSError(f"{key}: cannot bind {value!r}: {exc.strerror or exc}") from None
+
+
 class ProducerServer:
     def __init__(
         self,
@@ -121,7 +131,7 @@ class ProducerServer:
             reap_interval_s=config.reap_interval_s,
             park_idle_timeout_s=config.park_idle_timeout_s,
             delivery_grace_s=config.delivery_grace_s,
-            max_batch_bytes=max(1, int(self.pool.pool_bytes * config.max_batch_share)),
+            max_batch_bytes=config.max_batch_pages * self.pool.page_bytes,
         )
         self.lot = Lot(self.pool, settings, self.epoch, clock)
         self.metrics = ProducerMetrics(self.pool.statistics(), self.lot.statistics())
@@ -182,7 +192,11 @@ class ProducerServer:
         # here, before health says SERVING and with no gRPC server left running.
         metrics_address = self.config.metrics_address
         if metrics_address is not None:
-            self.metrics_port = self.metrics.serve(metrics_address.host, metrics_address.port)
+            self.metrics_port = _bound(
+                "metrics_listen",
+                self.config.metrics_listen,
+                lambda: self.metrics.serve(metrics_address.host, metrics_address.port),
+            )
         self._start_transports()
         await server.start()
         self._server = server
@@ -214,7 +228,7 @@ class ProducerServer:
                 loop=asyncio.get_running_loop(),
                 metrics=self.metrics,
             )
-            self.data_port = self.data.start()
+            self.data_port = _bound("data_listen", c.data_listen, self.data.start)
             advertised = Address.parse(c.advertise_address) if c.advertise_address else None
             # Without an advertised address the consumer connects to the host it dialed.
             data_address = str(Address(advertised.host, self.data_port)) if advertised else ""

@@ -7,6 +7,7 @@ exits 2 at start; the demo workers read DEMO_* variables and must never be hande
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from pathlib import Path
@@ -17,10 +18,12 @@ import yaml
 from kvpark.producer.config import KEYS
 from kvpark.producer.config_sources import CONFIG_ENV_VAR, load_config
 from kvpark.producer.config_values import ConfigError
+from kvpark.producer.memory_room import REMEMBERED_ID_BYTES
 
 from .stack import DEMO_FILE, ROOT, TEST_FILE, TLS_FILE
 
 COMPOSE_FILES = (DEMO_FILE, TLS_FILE, TEST_FILE)
+MiB = 1024 * 1024
 DEMO_COMMAND = "docker compose up --build --exit-code-from decode-worker"
 
 
@@ -81,11 +84,26 @@ def test_readme_and_compose_file_give_the_same_demo_command() -> None:
 
 
 def test_demo_producer_memory_limit_follows_the_sizing_rule() -> None:
-    """README, "Memory": the container's limit is pool_bytes + 256 MiB (or more)."""
+    """README, "Memory": the container's limit is pool_bytes + 256 MiB + 1 KiB per
+    max_tombstones (or more)."""
     block = services(DEMO_FILE)["producer"]
     [pool] = re.findall(r"KVPARK_POOL_BYTES: (\d+)MiB", block)
+    [tombstones] = re.findall(r'KVPARK_MAX_TOMBSTONES: "(\d+)"', block)
     [limit] = re.findall(r"^    mem_limit: (\d+)m$", block, flags=re.M)
-    assert int(limit) >= int(pool) + 256
+    assert int(limit) * MiB >= (int(pool) + 256) * MiB + int(tombstones) * REMEMBERED_ID_BYTES
+
+
+def test_image_takes_its_addresses_from_the_environment() -> None:
+    """The image sets its listen addresses as KVPARK_ variables, which compose and Kubernetes
+    may override and the health probe reads, and starts the producer without flags (a flag
+    would win over those variables, and the probe would dial another address)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [cmd] = re.findall(r"^CMD (.*)$", dockerfile, flags=re.M)
+    assert json.loads(cmd) == ["kvpark-producer"]
+    env = dict(re.findall(r"\b(KVPARK_[A-Z_]+)=(\S+)", dockerfile))
+    assert env == {"KVPARK_LISTEN": "0.0.0.0:50051", "KVPARK_METRICS_LISTEN": "0.0.0.0:9400"}
+    healthcheck = re.search(r"^HEALTHCHECK .*\n\s+CMD (.*)$", dockerfile, flags=re.M)
+    assert healthcheck and "--target" not in json.loads(healthcheck.group(1))
 
 
 def test_data_plane_wiring_of_the_demo() -> None:

@@ -77,7 +77,9 @@ async def test_exit_codes_for_usage_and_unreachable(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--rpc-timeout", "-1", "info"])
     assert exit_.value.code == cli.EXIT_USAGE
-    assert "argument --rpc-timeout: expected seconds > 0, got '-1'" in capsys.readouterr().err
+    assert "argument --rpc-timeout: expected seconds > 0 and <= 604800 (one week), got '-1'" in (
+        capsys.readouterr().err
+    )
 
 
 def test_installed_command_against_a_producer_process(

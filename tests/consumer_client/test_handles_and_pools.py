@@ -95,7 +95,9 @@ async def test_a_parks_handle_names_the_advertised_producer_or_the_dialed_one() 
     advertised = "kv-node-3.example:50051"
     async with (
         running_producer() as plain,
-        running_producer(advertise_address=advertised, data_listen="127.0.0.1:0") as behind_nat,
+        running_producer(
+            advertise_address=advertised, data_listen="0.0.0.0:0", allow_insecure=True
+        ) as behind_nat,
     ):
 
         def park_both() -> list:

@@ -16,7 +16,7 @@ from tls_certs import make_certs
 
 from kvpark.address import Address
 from kvpark.durations import MAX_SECONDS
-from kvpark.producer.config import KEYS, ProducerConfig
+from kvpark.producer.config import KEYS, MIN_REAP_INTERVAL_S, ProducerConfig
 from kvpark.producer.config_sources import CONFIG_ENV_VAR, build_arg_parser, load_config
 from kvpark.producer.config_values import ConfigError
 from kvpark.producer.credentials import load_credentials
@@ -131,7 +131,10 @@ def test_bad_seconds_rejected_naming_key_and_repr(key: str, value: object) -> No
     with pytest.raises(ConfigError) as info:
         ProducerConfig.from_mapping({key: value})
     message = str(info.value)
-    assert message.startswith(f"{key}: expected seconds > 0 and <= {MAX_SECONDS} (one week), got ")
+    low = f">= {MIN_REAP_INTERVAL_S}" if key == "reap_interval_s" else "> 0"
+    assert message.startswith(
+        f"{key}: expected seconds {low} and <= {MAX_SECONDS} (one week), got "
+    )
     assert repr(value)[:100] in message
     assert info.value.keys == (key,)
 
@@ -174,8 +177,20 @@ def test_bad_seconds_from_env_and_cli_name_the_source(value: str) -> None:
 
 @given(st.floats(min_value=1e-6, max_value=MAX_SECONDS, allow_nan=False))
 def test_any_seconds_in_range_round_trips_through_its_string(seconds: float) -> None:
-    cfg = ProducerConfig.from_mapping({"reap_interval_s": repr(seconds)})
-    assert cfg.reap_interval_s == seconds
+    cfg = ProducerConfig.from_mapping({"shutdown_grace_s": repr(seconds)})
+    assert cfg.shutdown_grace_s == seconds
+
+
+@pytest.mark.parametrize("value", [1e-6, "0.001", 0.0099])
+def test_reap_interval_has_a_floor(value: object) -> None:
+    """A reaper that wakes a million times a second keeps an idle producer's core busy."""
+    with pytest.raises(ConfigError) as info:
+        ProducerConfig.from_mapping({"reap_interval_s": value})
+    assert str(info.value) == (
+        f"reap_interval_s: expected seconds >= 0.01 and <= 604800 (one week), got {value!r}"
+    )
+    assert info.value.keys == ("reap_interval_s",)
+    assert ProducerConfig.from_mapping({"reap_interval_s": 0.01}).reap_interval_s == 0.01
 
 
 # --- byte sizes and counts ----------------------------------------------------------------
@@ -205,8 +220,8 @@ def test_any_seconds_in_range_round_trips_through_its_string(seconds: float) -> 
     ],
 )
 def test_byte_sizes_accepted(value: object, expected: int) -> None:
-    cfg = ProducerConfig.from_mapping({"pool_bytes": value, "max_chunk_bytes": 1})
-    assert cfg.pool_bytes == expected
+    # The key's own parser: a whole config also needs a pool of at least one page.
+    assert KEYS["pool_bytes"].parse("pool_bytes", value) == expected
 
 
 @pytest.mark.parametrize(
@@ -227,8 +242,7 @@ def test_byte_sizes_rejected(value: object) -> None:
 @given(st.integers(min_value=1, max_value=2**20), st.sampled_from(["KiB", "MiB", "kB", "MB"]))
 def test_byte_size_units(number: int, unit: str) -> None:
     scale = {"KiB": 1024, "MiB": 1024**2, "kB": 1000, "MB": 1000**2}[unit]
-    cfg = ProducerConfig.from_mapping({"pool_bytes": f"{number}{unit}", "max_chunk_bytes": 1})
-    assert cfg.pool_bytes == number * scale
+    assert KEYS["pool_bytes"].parse("pool_bytes", f"{number}{unit}") == number * scale
 
 
 @pytest.mark.parametrize(("value", "expected"), [(5, 5), ("5", 5), (" 12 ", 12), (1e6, 10**6)])
@@ -430,8 +444,10 @@ def test_every_message_is_one_line(tmp_path: Path) -> None:
             r"\(45.0\)",
         ),
         (
-            {"pool_bytes": "1MiB", "max_chunk_bytes": "2MiB"},
-            r"^max_chunk_bytes \(2097152\) must be <= pool_bytes \(1048576\)$",
+            {"pool_bytes": "1MiB", "max_chunk_bytes": "2MiB", "max_batch_share": 1},
+            r"^max_chunk_bytes \(2097152\) takes 8 pages of 262144 bytes, more than one Park "
+            r"batch may hold: 4, the whole pages of pool_bytes \(1048576\) x max_batch_share "
+            r"\(1.0\); lower max_chunk_bytes or raise pool_bytes or max_batch_share$",
         ),
         (
             {"max_lease_s": 59, "unbound_store_timeout_s": 60},
@@ -447,9 +463,46 @@ def test_cross_field_rules(values: dict[str, object], pattern: str) -> None:
 
 def test_cross_field_boundaries_are_allowed() -> None:
     cfg = ProducerConfig.from_mapping(
-        {"pool_bytes": "16MiB", "max_lease_s": 60, "tombstone_retention_s": 30.5}
+        {"pool_bytes": "32MiB", "max_lease_s": 60, "tombstone_retention_s": 30.5}
     )
-    assert cfg.max_chunk_bytes == cfg.pool_bytes and cfg.max_lease_s == 60.0
+    assert 2 * cfg.max_chunk_bytes == cfg.pool_bytes and cfg.max_lease_s == 60.0
+
+
+PAGE = 256 * 1024
+
+
+@pytest.mark.parametrize(
+    ("pool_bytes", "max_chunk_bytes", "max_batch_share"),
+    [
+        # The default 16 MiB chunk in a 16 MiB pool: a batch holds half of it.
+        ("16MiB", "16MiB", 0.5),
+        # A chunk of two pages (one byte more than a page) in a one-page pool.
+        ("300KiB", "300KiB", 1),
+        # The share of a 4-page pool rounds down to one page; the chunk takes two.
+        (4 * PAGE, PAGE + 1, 0.49),
+        # The pool's odd bytes are no page: 2 whole pages, and the chunk takes 3.
+        (3 * PAGE - 1, 2 * PAGE + 1, 1),
+    ],
+)
+def test_largest_chunk_must_fit_one_batch_in_whole_pages(
+    pool_bytes: object, max_chunk_bytes: object, max_batch_share: float
+) -> None:
+    """A chunk takes whole pool pages and one Park batch may hold max_batch_share of the pool,
+    in whole pages: a largest chunk that takes more could never be parked (TOO_LARGE)."""
+    values = {
+        "pool_bytes": pool_bytes,
+        "max_chunk_bytes": max_chunk_bytes,
+        "max_batch_share": max_batch_share,
+    }
+    with pytest.raises(ConfigError, match=r"^max_chunk_bytes \(\d+\) takes \d+ pages") as info:
+        ProducerConfig.from_mapping(values)
+    assert info.value.keys == ("max_chunk_bytes", "pool_bytes", "max_batch_share")
+
+
+def test_pool_must_hold_one_page() -> None:
+    with pytest.raises(ConfigError, match=r"^pool_bytes \(262143\) must hold at least one") as info:
+        ProducerConfig.from_mapping({"pool_bytes": PAGE - 1, "max_chunk_bytes": 1})
+    assert info.value.keys == ("pool_bytes",)
 
 
 def test_cross_field_error_names_the_sources(tmp_path: Path) -> None:
@@ -502,8 +555,8 @@ def test_tokens_never_shown(tmp_path: Path) -> None:
             ProducerConfig.from_mapping({"fetch_token": bad})
         assert bad not in str(info.value)
         assert str(info.value) == (
-            "fetch_token: expected a non-empty token without whitespace, "
-            f"got <redacted string of {len(bad)} characters>"
+            "fetch_token: expected a non-empty token of printable ASCII characters (0x21-0x7E, "
+            f"no spaces), got <redacted string of {len(bad)} characters>"
         )
 
 
@@ -521,7 +574,7 @@ def test_token_and_token_file_are_exclusive(tmp_path: Path, role: str) -> None:
     [
         ("", r"^park_token_file: token file '.*' is empty$"),
         ("\n", r"^park_token_file: token file '.*' is empty$"),
-        ("two words\n", r"^park_token_file: the token in '.*' contains whitespace$"),
+        ("two words\n", r"^park_token_file: the token in '.*' holds a space or a character "),
     ],
 )
 def test_bad_token_files(tmp_path: Path, content: str, pattern: str) -> None:
