@@ -221,10 +221,12 @@ class ParkFrames:
         )
         return pb.ParkRequest(header=header).SerializeToString()
 
-    def chunk(self, chunk: PreparedChunk) -> bytes:
-        """A chunk's frame: its CRC32C over the caller's memory, then one copy into the frame."""
+    def chunk(self, chunk: PreparedChunk, crc: int | None = None) -> bytes:
+        """A chunk's frame: its CRC32C (`crc`, when taken before, else now over the caller's
+        memory), then one copy into the frame."""
         self.count(chunk)
-        return wire.encode_park_chunk(chunk.chunk_id, crc_of(chunk), chunk.parts)
+        crc = crc_of(chunk) if crc is None else crc
+        return wire.encode_park_chunk(chunk.chunk_id, crc, chunk.parts)
 
     def count(self, chunk: PreparedChunk) -> None:
         """Counts a chunk this batch sends, for the commit."""

@@ -69,10 +69,11 @@ class BatchRoute:
         # reference without asking the shm socket, chunks elsewhere inline.
         self._lent: SharedBuffer | None = None
         # Chunks sent by reference, to resend inline if the producer refuses the lend: views
-        # of the caller's shared buffer, no copies. A chunk sent inline is not kept (its
-        # memory is the caller's again once `put` returned), so after one the batch can no
-        # longer go inline and a refused lend is its outcome.
-        self._by_ref: list[PreparedChunk] = []
+        # of the caller's shared buffer, no copies, each with its CRC32C taken at `put`. A
+        # chunk sent inline is not kept (its memory is the caller's again once `put`
+        # returned), so after one the batch can no longer go inline and a refused lend is its
+        # outcome.
+        self._by_ref: list[tuple[PreparedChunk, int]] = []
         self._inline_sent = False
         # References put and not yet sent, with their CRC32C taken at `put` (what the caller
         # had then is what the producer checks): they go in groups, as `park()` sends them,
@@ -162,9 +163,10 @@ class BatchRoute:
             out.append(self.opening())
         if place is not None and place[0] == self.frames.lend_id:
             self._lent = place[1]
-            self._by_ref.append(chunk)
+            crc = crc_of(chunk)
+            self._by_ref.append((chunk, crc))
             self._group.append((chunk, place[2]))
-            self._group_crcs.append(crc_of(chunk))
+            self._group_crcs.append(crc)
             self._group_bytes += chunk.nbytes
             if len(self._group) == REFS_PER_MESSAGE or self._group_bytes >= REFS_MESSAGE_BYTES:
                 out += self.flush()
@@ -212,7 +214,9 @@ class BatchRoute:
         self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
         self._lent = None
         self._group, self._group_crcs, self._group_bytes = [], [], 0
-        out = [self.frames.header, *(self.frames.chunk(chunk) for chunk in self._by_ref)]
+        # Each with the CRC32C taken at its `put`: bytes the caller changed since (which a put
+        # by reference asks it not to do) are then CHECKSUM_MISMATCH, not parked as they are.
+        out = [self.frames.header, *(self.frames.chunk(c, crc) for c, crc in self._by_ref)]
         self._by_ref = []
         return out
 

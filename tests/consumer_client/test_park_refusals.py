@@ -19,7 +19,7 @@ import pytest
 from conftest import MiB, running_producer, wait_for, wait_until
 from consumer_support import in_thread
 
-from kvpark import AsyncKVParker, KVParker, RequestRejectedError
+from kvpark import AsyncKVParker, KVParker, Reason, RequestRejectedError
 from kvpark.shm import PARK_ROLE
 
 # The park's own timeout: the other batch holds the lend for longer than that.
@@ -144,3 +144,30 @@ async def test_a_refused_lend_goes_inline_at_once_while_another_batch_holds_it(
     assert held.ok and held.transport == "shm", held
     # The refused lend was forgotten: the buffer is lent anew and used by reference again.
     assert again.ok and again.transport == "shm", again
+
+
+async def test_a_chunk_changed_after_its_put_is_not_parked_when_the_batch_goes_inline(
+    shm_socket: str,
+) -> None:
+    """A put by reference asks the caller to leave the chunk's bytes alone until the commit.
+    One that changes them anyway, in a batch whose lend the producer then refuses, gets
+    CHECKSUM_MISMATCH when the batch resends its chunks inline: they carry the CRC32C taken at
+    `put`, never one taken over what the memory holds by then. (With two shared buffers the
+    header goes out with the first put, so the refusal always comes after it.)"""
+    async with running_producer(shm_socket=shm_socket) as server:
+
+        def run() -> Any:
+            with KVParker(server.target, shm_socket=shm_socket, timeout=10) as parker:
+                kv = parker.shared_buffer(4 * MiB)
+                parker.shared_buffer(MiB)  # a second one
+                kv[:] = 5
+                assert parker.park("warm", [kv[3 * MiB :]]).ok  # lends `kv`
+                producers_lend(server, parker, kv).end()
+                with parker.batch("changed", total_chunks=1) as batch:
+                    assert batch.put(0, kv[:MiB])
+                    kv[:MiB] = 6
+                return batch.result
+
+        result = await in_thread(run)
+        server.lot.check_invariants()
+    assert not result.ok and result.reason is Reason.CHECKSUM_MISMATCH, result
