@@ -353,7 +353,9 @@ class AsyncKVConsumer(ClientBase):
         the background unless `confirm` (default: the client's) is False. `on_chunk` runs on
         the event loop for a load over the gRPC stream, and on one of the client's worker
         threads for a load over TCP or shared memory (the chunks are read and checked there)."""
-        started = await aread_info_before_lending(self._core, self.server_info, timeout, into)
+        started = await aread_info_before_lending(
+            self._core, self.server_info, timeout, into, stages=True
+        )
         # Off the event loop: lending a shared buffer can wait on the shm socket.
         begin = functools.partial(
             self._core.begin_load,
@@ -517,7 +519,9 @@ class AsyncKVConsumer(ClientBase):
         redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
-        started = await aread_info_before_lending(self._core, self.server_info, timeout, into)
+        started = await aread_info_before_lending(
+            self._core, self.server_info, timeout, into, stages=True
+        )
         # Off the event loop: lending a shared buffer can wait on the shm socket.
         begin = functools.partial(
             self._core.begin_load,

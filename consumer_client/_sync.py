@@ -317,7 +317,7 @@ class KVConsumer(ClientBase):
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
-        started = read_info_before_lending(self._core, self.server_info, timeout, into)
+        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,
@@ -461,7 +461,7 @@ class KVConsumer(ClientBase):
         everything); with `policy="fail"`, LoadFailedError and nothing recomputed. The report
         says which path was taken (remote, partial, recompute) and why."""
         check_policy(policy, recompute)
-        started = read_info_before_lending(self._core, self.server_info, timeout, into)
+        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
         session = self._core.begin_load(
             kv_request_id,
             chunk_ids=chunk_ids,

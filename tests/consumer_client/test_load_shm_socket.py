@@ -34,22 +34,25 @@ async def test_a_first_staged_load_never_lends_to_another_producers_socket(
 
         await in_thread(park)
         into = np.zeros_like(data)
+        lending = stranger.shm
+        assert lending is not None
+
+        def untouched() -> bool:
+            return (lending.connection_count, lending.lend_count) == (0, 0)
+
         if flavour == "sync":
 
-            def load() -> Any:
-                with KVConsumer(
-                    server.target, shm_socket=other, transport=transport, timeout=10
-                ) as consumer:
-                    return consumer.load("kv", num_chunks=2, into=into)
+            def load() -> tuple[Any, bool]:
+                with KVConsumer(server.target, shm_socket=other, transport=transport) as consumer:
+                    # Seen while the client is open: closing it would end what it made.
+                    return consumer.load("kv", num_chunks=2, into=into, timeout=10), untouched()
 
-            result = await in_thread(load)
+            result, stranger_untouched = await in_thread(load)
         else:
-            async with AsyncKVConsumer(
-                server.target, shm_socket=other, transport=transport, timeout=10
-            ) as consumer:
-                result = await consumer.load("kv", num_chunks=2, into=into)
-        assert stranger.shm is not None
-        assert stranger.shm.connection_count == 0 and stranger.shm.lend_count == 0
+            async with AsyncKVConsumer(server.target, shm_socket=other, transport=transport) as c:
+                result = await c.load("kv", num_chunks=2, into=into, timeout=10)
+                stranger_untouched = untouched()
+        assert stranger_untouched
         server.lot.check_invariants()
     assert result.ok and result.transport != "shm", result
     assert np.array_equal(into, data)
