@@ -32,6 +32,12 @@ CACHE_S = 30.0
 
 AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, tuple[object, ...]]
 
+
+class LookupTimedOut(TimeoutError):
+    """The name lookup outlasted the load's budget. It says nothing about the path: the
+    lookup goes on, and its answer serves the next load."""
+
+
 _lock = threading.Lock()
 _cache: dict[tuple[str, int], tuple[float, list[AddrInfo]]] = {}  # key: (expires, answer)
 _in_flight: dict[tuple[str, int], Future[list[AddrInfo]]] = {}
@@ -87,7 +93,9 @@ def addresses(address: Address, timeout_s: float) -> list[AddrInfo]:
     try:
         return lookup.result(timeout=max(0.0, timeout_s))
     except FutureTimeout:
-        raise TimeoutError(f"looking up {address.host} took longer than {timeout_s:.3g}s") from None
+        raise LookupTimedOut(
+            f"looking up {address.host} took longer than {timeout_s:.3g}s"
+        ) from None
 
 
 def _look_up(key: tuple[str, int], lookup: Future[list[AddrInfo]]) -> None:
@@ -102,7 +110,12 @@ def _look_up(key: tuple[str, int], lookup: Future[list[AddrInfo]]) -> None:
     found: list[AddrInfo] = [
         (family, kind, proto, tuple(sockaddr)) for family, kind, proto, _, sockaddr in answer
     ]
+    now = time.monotonic()
     with _lock:
         _in_flight.pop(key, None)
-        _cache[key] = (time.monotonic() + CACHE_S, found)
+        # Expired answers go as new ones come, so a client that meets many hosts (producers
+        # that come and go) keeps only the ones it used lately.
+        for old in [k for k, (expires, _) in _cache.items() if expires <= now]:
+            del _cache[old]
+        _cache[key] = (now + CACHE_S, found)
     lookup.set_result(found)

@@ -33,7 +33,7 @@ from kvpark.tcp_frames import (
 )
 
 from ._data_connections import DataConnections
-from ._resolve import connect
+from ._resolve import LookupTimedOut, connect
 from ._result import Reason
 from ._session import LoadSession, Step
 from ._timeouts import CONCLUSIVE_TIMEOUT_S, OUT_OF_BAND_SHARE
@@ -183,13 +183,15 @@ class TcpReceiver:
             # connection the producer took and then closed before any answer (it refuses
             # what it cannot take now: a host over its share of handshake slots, a ticket of
             # a Fetch that ended) says nothing about the path, unless the last keeps
-            # happening (TURNED_AWAY_IN_A_ROW).
+            # happening (TURNED_AWAY_IN_A_ROW); nor does a slow name lookup, whose answer
+            # serves the next load.
             closed_by_producer = (
                 connected and not self._aborted and isinstance(exc, _CLOSED_BY_PEER)
             )
             conclusive = (
                 not self._aborted
                 and not closed_by_producer
+                and not isinstance(exc, LookupTimedOut)
                 and (not isinstance(exc, TimeoutError) or fresh_s >= CONCLUSIVE_TIMEOUT_S)
             )
             self.abort()

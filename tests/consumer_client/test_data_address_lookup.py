@@ -54,16 +54,22 @@ def slow_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowDns]:
     dns.answer()  # the lookup thread ends
 
 
-def park_and_load(server_target: str, kid: str) -> tuple[Any, bool]:
-    """Parks 2 MiB under `kid` on the producer, then loads it from "localhost:PORT" with a
-    new client (transport auto: TCP offered); the result and whether every byte arrived."""
+def park_and_load(
+    server_target: str, kid: str, consumer: KVConsumer | None = None
+) -> tuple[Any, bool]:
+    """Parks 2 MiB under `kid` on the producer, then loads it from "localhost:PORT" with
+    `consumer`, or a new client (transport auto: TCP offered); the result and whether every
+    byte arrived."""
     data = np.random.default_rng(list(kid.encode())).integers(0, 256, 2 * MiB, dtype=np.uint8)
     with KVParker(server_target) as parker:
         assert parker.park(kid, [data[:MiB], data[MiB:]]).ok
     port = Address.parse(server_target).port
     into = np.zeros_like(data)
-    with KVConsumer(f"{HOST}:{port}", timeout=30) as consumer:
+    if consumer is not None:
         result = consumer.load(kid, num_chunks=2, into=into)
+    else:
+        with KVConsumer(f"{HOST}:{port}", timeout=30) as new:
+            result = new.load(kid, num_chunks=2, into=into)
     return result, bool(np.array_equal(into, data))
 
 
@@ -80,17 +86,47 @@ async def test_a_lookup_that_never_answers_costs_the_load_a_fallback_only(
 async def test_a_late_answer_serves_the_next_loads_and_one_lookup_serves_them_all(
     slow_dns: SlowDns,
 ) -> None:
+    """The load that gave up on the lookup fell back; it says nothing about the path, so the
+    same client's next loads go over TCP as soon as the answer is in, all on that one lookup;
+    so do a new client's."""
     async with running_producer(data_listen="127.0.0.1:0") as server:
-        first, whole = await asyncio.to_thread(park_and_load, server.target, "first")
-        assert first.ok and whole and first.transport == "grpc"
-        slow_dns.answer()
-        await wait_until(
-            lambda: any(host == HOST for host, _ in _resolve._cache), what="the late answer kept"
-        )
-        for kid in ("second", "third"):
-            result, whole = await asyncio.to_thread(park_and_load, server.target, kid)
-            assert result.ok and whole and result.transport == "tcp"
+        port = Address.parse(server.target).port
+        with KVConsumer(f"{HOST}:{port}", timeout=30) as consumer:
+            first, whole = await asyncio.to_thread(park_and_load, server.target, "first", consumer)
+            assert first.ok and whole and first.transport == "grpc"
+            slow_dns.answer()
+            await wait_until(
+                lambda: any(host == HOST for host, _ in _resolve._cache),
+                what="the late answer kept",
+            )
+            for kid in ("second", "third"):
+                result, whole = await asyncio.to_thread(park_and_load, server.target, kid, consumer)
+                assert result.ok and whole and result.transport == "tcp"
+        result, whole = await asyncio.to_thread(park_and_load, server.target, "fourth")
+        assert result.ok and whole and result.transport == "tcp"
         assert slow_dns.lookups == 1
+
+
+def test_answers_expire_and_are_not_kept_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each new answer drops the expired ones: a client that met many producers over time
+    keeps only those it used lately."""
+    monkeypatch.setattr(_resolve, "_cache", {})
+    monkeypatch.setattr(_resolve, "_in_flight", {})
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda host, port, **_: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))],
+    )
+    for i in range(3):
+        _resolve.addresses(Address(f"kept-{i}.example", 7000), timeout_s=10)
+    assert len(_resolve._cache) == 3
+    monkeypatch.setattr(_resolve, "CACHE_S", 0.0)  # from now on, every answer expires at once
+    for i in range(50):
+        _resolve.addresses(Address(f"gone-{i}.example", 7000), timeout_s=10)
+    # The three live answers stay; of the fifty expired ones only the last, not yet replaced.
+    assert sorted(host for host, _ in _resolve._cache) == [
+        "gone-49.example", "kept-0.example", "kept-1.example", "kept-2.example"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
