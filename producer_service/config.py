@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -439,8 +440,9 @@ class ProducerConfig:
     def max_batch_pages(self) -> int:
         """Pages one Park batch may reserve or store: `max_batch_share` of the pool, rounded
         down to whole pages, at least one."""
-        share_bytes = int(self.pool_pages * DEFAULT_PAGE_BYTES * self.max_batch_share)
-        return max(1, share_bytes // DEFAULT_PAGE_BYTES)
+        # Rounded to a millionth of a page first: a share that makes whole pages (0.7 of
+        # 8,064) must not lose one to the float product landing just below (5,644.799...).
+        return max(1, math.floor(round(self.pool_pages * self.max_batch_share, 6)))
 
     @property
     def data_address(self) -> Address | None:

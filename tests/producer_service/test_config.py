@@ -499,6 +499,15 @@ def test_largest_chunk_must_fit_one_batch_in_whole_pages(
     assert info.value.keys == ("max_chunk_bytes", "pool_bytes", "max_batch_share")
 
 
+@pytest.mark.parametrize(("pool_pages", "share", "pages"), [(11520, 0.7, 8064), (10, 0.25, 2)])
+def test_a_batch_is_the_share_of_the_pool_in_whole_pages(
+    pool_pages: int, share: float, pages: int
+) -> None:
+    """0.7 of 11,520 pages is 8,064 exactly, though the float product lands just below it."""
+    values = {"pool_bytes": pool_pages * PAGE, "max_chunk_bytes": PAGE, "max_batch_share": share}
+    assert ProducerConfig.from_mapping(values).max_batch_pages == pages
+
+
 def test_pool_must_hold_one_page() -> None:
     with pytest.raises(ConfigError, match=r"^pool_bytes \(262143\) must hold at least one") as info:
         ProducerConfig.from_mapping({"pool_bytes": PAGE - 1, "max_chunk_bytes": 1})
