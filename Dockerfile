@@ -60,11 +60,6 @@ WORKDIR /home/kvpark
 # 50051: gRPC (KVProducer, grpc.health.v1, reflection); 50052: the zero-copy TCP data port
 # when data_listen is set (compose and Kubernetes use this one); 9400: Prometheus /metrics
 EXPOSE 50051 50052 9400
-# The container's addresses as configuration, not as flags: flags would override what compose
-# or Kubernetes set in KVPARK_LISTEN / KVPARK_METRICS_LISTEN, and the health probe, which reads
-# the producer's configuration (not its command line), would dial an address nobody listens on.
-ENV KVPARK_LISTEN=0.0.0.0:50051 \
-    KVPARK_METRICS_LISTEN=0.0.0.0:9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-m", "kvpark.producer.healthcheck", "--timeout", "3"]
-CMD ["kvpark-producer"]
+CMD ["kvpark-producer", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400"]

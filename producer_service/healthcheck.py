@@ -7,15 +7,14 @@ Used by the image's ``HEALTHCHECK`` and by compose::
     python -m kvpark.producer.healthcheck [--target 127.0.0.1:50051] [--timeout 2] [--service NAME]
         [--tls] [--ca-file PEM] [--server-name NAME] [--client-cert PEM --client-key PEM]
 
-Without ``--target`` the address is the producer's ``listen``, read as the producer reads its
-configuration: defaults < the JSON file of ``KVPARK_CONFIG`` < the ``KVPARK_<KEY>`` variables (a
-wildcard host such as ``0.0.0.0`` or ``[::]`` is probed on loopback). The probe runs in the
-producer's environment, so it finds what the producer found; only a producer started with
-command-line flags (``kvpark-producer --listen ...``) listens elsewhere than it can tell: pass
-``--target`` then. A configuration the producer would refuse is reported unhealthy.
+Without ``--target`` the address comes from ``KVPARK_LISTEN`` when that is set (a wildcard host
+such as ``0.0.0.0`` or ``[::]`` is probed on loopback), else ``127.0.0.1:50051``. The probe reads
+that one variable, not the producer's whole configuration: a probe must not call a serving
+producer unhealthy for settings it cannot see (flags) or for a check that is the producer's to
+make. A producer whose ``listen`` comes from flags or a ``KVPARK_CONFIG`` file needs ``--target``.
 
 Health is served without tokens, so none is needed. A producer serving TLS needs a TLS probe:
-``--tls`` (implied by ``--ca-file``, and by a ``tls_cert_file`` in that configuration, whose
+``--tls`` (implied by ``--ca-file``, and by ``KVPARK_TLS_CERT_FILE`` in the environment, whose
 certificate is then trusted by default: right for a self-signed one), ``--server-name`` when the
 certificate does not name the probed host, and a client certificate when the producer requires
 one (mTLS, ``tls_client_ca_file``).
@@ -28,8 +27,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config_sources import load_config
-from .config_values import ConfigError, seconds_argument
+from kvpark.address import Address
+
+from .config_values import seconds_argument
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def default_target(listen: str | None) -> str:
+    """The address to probe for a producer listening on ``listen`` (``host:port``)."""
+    if not listen:
+        return DEFAULT_TARGET
+    try:
+        return str(Address.parse(listen).dialable())
+    except ValueError:
+        return DEFAULT_TARGET
 
 
 def _read(path: str | None) -> bytes | None:
@@ -93,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--target",
         default=None,
-        help="host:port to probe (default: the producer's listen, from KVPARK_CONFIG and "
-        "the KVPARK_ variables)",
+        help=f"host:port to probe (default: from KVPARK_LISTEN, else {DEFAULT_TARGET})",
     )
     parser.add_argument(
         "--timeout",
@@ -108,13 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tls",
         action="store_true",
-        help="probe over TLS (implied by --ca-file or the producer's tls_cert_file)",
+        help="probe over TLS (implied by --ca-file or KVPARK_TLS_CERT_FILE in the environment)",
     )
     parser.add_argument(
         "--ca-file",
         default=None,
-        help="PEM roots to verify the producer with (default with the producer's "
-        "tls_cert_file: that certificate; else the system roots)",
+        help="PEM roots to verify the producer with (default with KVPARK_TLS_CERT_FILE: that "
+        "certificate; else the system roots)",
     )
     parser.add_argument(
         "--server-name", default=None, help="name expected in the producer's certificate"
@@ -124,16 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.client_cert) != bool(args.client_key):
         parser.error("--client-cert and --client-key go together")
-    try:
-        # The producer's own loading, flags aside: the probe is not given the producer's.
-        config = load_config([], os.environ)
-    except ConfigError as exc:
-        print(f"unhealthy: the producer's configuration is invalid: {exc}", flush=True)
-        return 1
-    target = args.target or str(config.listen_address.dialable())
-    server_cert = config.tls_cert_file
-    tls = bool(args.tls or args.ca_file or args.client_cert or server_cert)
-    ca_file = args.ca_file or (server_cert if tls else None)
+    target = args.target or default_target(os.environ.get("KVPARK_LISTEN"))
+    env_cert = os.environ.get("KVPARK_TLS_CERT_FILE") or None
+    tls = bool(args.tls or args.ca_file or args.client_cert or env_cert)
+    ca_file = args.ca_file or (env_cert if tls else None)
     ok, message = check(
         target,
         args.timeout,

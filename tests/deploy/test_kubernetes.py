@@ -297,8 +297,8 @@ def test_producer_runs_as_a_native_sidecar_of_the_engine(base: list[Obj]) -> Non
     assert spec["containers"], "the pod needs its engine as a main container"
     assert not any(is_producer(c) for c in spec["containers"])
     assert producer["image"].startswith("kvpark:") or "/kvpark:" in producer["image"]
-    # Flags would override the environment, which the health probes read to find the producer;
-    # the manifest must start the producer with the environment only.
+    # The image's default command line sets --listen/--metrics-listen, which would override
+    # the environment; the manifest must start the producer with the environment only.
     assert producer.get("command") == ["kvpark-producer"] and not producer.get("args")
 
 
