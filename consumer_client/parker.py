@@ -396,6 +396,7 @@ class ParkBatch:
             raise UsageError("the batch was already committed or undone")
         if self._route.empty:
             self.abort()  # nothing to park: the call ends and the producer keeps nothing
+            self._check_open()  # a closed parker's batch is that first, as for `park`
             raise UsageError(EMPTY_BATCH)
         self._ended = True
         if not self._route.started:
@@ -729,6 +730,7 @@ class AsyncParkBatch:
             raise UsageError("the batch was already committed or undone")
         if self._route.empty:
             self.abort()  # nothing to park: the call ends and the producer keeps nothing
+            self._check_open()  # a closed parker's batch is that first, as for `park`
             raise UsageError(EMPTY_BATCH)
         self._ended = True
         if not self._route.started:

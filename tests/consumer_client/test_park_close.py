@@ -77,3 +77,21 @@ async def test_an_async_batch_whose_parker_closed_raises_client_closed_not_cance
             await task
         assert not task.cancelled()
         await nothing_kept(server, "closed")
+
+
+async def test_an_empty_batch_of_a_closed_parker_raises_client_closed() -> None:
+    """A batch nothing was put in is a UsageError, unless its parker closed meanwhile: then,
+    as every call of a closed client, ClientClosedError."""
+    async with running_producer() as server:
+
+        def run() -> None:
+            parker = KVParker(server.target, transport="grpc")
+            with pytest.raises(ClientClosedError), parker.batch("empty", total_chunks=1):
+                parker.close()
+
+        await in_thread(run)
+        parker = AsyncKVParker(server.target, transport="grpc")
+        with pytest.raises(ClientClosedError):
+            async with parker.batch("empty", total_chunks=1):
+                await parker.aclose()
+        await nothing_kept(server, "empty")
