@@ -7,7 +7,8 @@ for the sync client on the caller's own thread. Here the lookup runs on a thread
 that the load waits for at most its connect budget. A lookup that takes longer goes on without
 it, and its answer serves the loads after; answers are kept CACHE_S, so a burst of new
 connections to one producer resolves once, and loads that ask meanwhile share the lookup in
-flight. An IP address is never looked up.
+flight; an answer none of whose addresses took a connection is dropped at once. An IP
+address is never looked up.
 
 `create_connection` also gives each address a name resolves to the whole timeout, so a host
 with two addresses, the first one dead, could take twice the budget. Here the addresses share
@@ -53,7 +54,8 @@ def connect(address: Address, timeout_s: float) -> socket.socket:
     for i, (family, kind, proto, sockaddr) in enumerate(candidates):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"connecting to {address} timed out")
+            failure = TimeoutError(f"connecting to {address} timed out")
+            break
         sock = socket.socket(family, kind, proto)
         sock.settimeout(left / (len(candidates) - i))  # an equal part for each one left
         try:
@@ -63,6 +65,10 @@ def connect(address: Address, timeout_s: float) -> socket.socket:
             failure = exc
             continue
         return sock
+    # None of the addresses took it: the name may point elsewhere by now (a producer's pod
+    # rescheduled under the same DNS name), so the next connection looks it up again.
+    with _lock:
+        _cache.pop((address.host, address.port), None)
     raise failure
 
 

@@ -135,3 +135,32 @@ def test_an_ip_address_is_never_looked_up(slow_dns: SlowDns, host: str) -> None:
     assert not rest and sockaddr[:2] == (host, 7000)
     assert family == (socket.AF_INET6 if ":" in host else socket.AF_INET)
     assert slow_dns.lookups == 0
+
+
+def test_an_answer_whose_addresses_refuse_is_looked_up_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name whose kept answer no longer takes connections (the producer moved to another
+    address under the same name) is looked up again by the next connection, not after the
+    answer's 30 s."""
+    monkeypatch.setattr(_resolve, "_cache", {})
+    monkeypatch.setattr(_resolve, "_in_flight", {})
+    with socket.socket() as live, socket.socket() as moved_away:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        moved_away.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        ports = [moved_away.getsockname()[1], live.getsockname()[1]]
+        lookups = []
+
+        def getaddrinfo(host: str, port: int, **_: Any) -> list[Any]:
+            lookups.append(host)
+            where = ("127.0.0.1", ports[min(len(lookups), 2) - 1])
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", where)]
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+        name = Address("producer.example", 7000)
+        with pytest.raises(ConnectionRefusedError):
+            _resolve.connect(name, timeout_s=5)
+        with _resolve.connect(name, timeout_s=5) as sock:
+            assert sock.getpeername()[1] == ports[1]
+        assert lookups == ["producer.example", "producer.example"]
