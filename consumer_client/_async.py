@@ -423,7 +423,7 @@ class AsyncKVConsumer(ClientBase):
                 ended = finished = True
         except grpc.aio.AioRpcError as exc:
             ended = True
-            if session.refused_out_of_band(exc.code()):
+            if session.refused_out_of_band(exc.code(), exc.details()):
                 # Refused before any copy: the producer does not hold this lend (it
                 # restarted, say). `finished` stays False, so the lend is settled below and
                 # the next load lends anew instead of naming the dead lend again.

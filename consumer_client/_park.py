@@ -25,12 +25,11 @@ from kvpark import wire
 from kvpark.checksum import crc32c_of
 from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.shm import LEND_ENDED, LEND_UNKNOWN
 
 from ._buffers import byte_view
 from ._errors import StatusRule, UsageError, classify_status, error_for
 from ._result import Reason
-from ._shm import ShmAccess
+from ._shm import ShmAccess, lend_refused
 from ._timeouts import OUT_OF_BAND_SHARE
 from .handle import TRANSPORT_NAMES, KVHandle
 
@@ -48,9 +47,6 @@ RETRY_CALL_BUDGET_S = 0.1
 # still copy at once and a refusal still stops a large batch early.
 REFS_PER_MESSAGE = 64
 REFS_MESSAGE_BYTES = 16 * 2**20
-# A Park refused for its lend alone (kvpark.shm): only such a Park is worth sending again
-# inline.
-LEND_REFUSALS = (LEND_UNKNOWN, LEND_ENDED)
 
 ChunkPayload = Any  # a buffer, or a list/tuple of buffers sent as one chunk
 Chunks = Sequence[ChunkPayload] | Sequence[tuple[int, ChunkPayload]] | Mapping[int, ChunkPayload]
@@ -167,11 +163,6 @@ def batch_frames(
         if group:
             yield frames.chunk_refs(group)
     yield frames.commit()
-
-
-def lend_refused(code: grpc.StatusCode | None, details: str) -> bool:
-    """Whether a Park that ended with `code` and `details` was refused for its lend alone."""
-    return code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(LEND_REFUSALS)
 
 
 def crc_of(chunk: PreparedChunk) -> int:

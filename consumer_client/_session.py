@@ -45,6 +45,7 @@ from kvpark.pb import kvpark_pb2 as pb
 from ._buffers import Destination, OwnedBuffer
 from ._errors import BufferTooSmallError, classify_status, error_for
 from ._result import LoadResult, Reason
+from ._shm import lend_refused
 from ._timeouts import Timeout
 from .handle import TRANSPORT_NAMES
 
@@ -215,15 +216,12 @@ class LoadSession:
         return self._abandon(Reason.PROTOCOL_ERROR, "FetchResponse with nothing in it")
 
     # ------------------------------------------------------------- out-of-band transports
-    def refused_out_of_band(self, code: grpc.StatusCode | None) -> bool:
+    def refused_out_of_band(self, code: grpc.StatusCode | None, details: str | None) -> bool:
         """True when the producer refused this load's lent buffer before any byte moved (it
-        does not hold it: another process, or released): the load goes on over gRPC. A range
-        too small for the next chunk is OUT_OF_RANGE (`rpc_failed`), never a refused lend."""
-        return (
-            self.shm is not None
-            and code == grpc.StatusCode.INVALID_ARGUMENT
-            and self.chunks_loaded == 0
-        )
+        does not hold it: another process, or released), its detail saying so: the load goes
+        on over gRPC. Any other refusal is about the request and stands on every transport; a
+        range too small for the next chunk is OUT_OF_RANGE (`rpc_failed`)."""
+        return self.shm is not None and self.chunks_loaded == 0 and lend_refused(code, details)
 
     def _next_requested(self) -> int | None:
         """The id of the next chunk to load; None when every requested chunk was loaded."""
@@ -377,11 +375,9 @@ class LoadSession:
         if timed_out:
             self._decide(Reason.TIMEOUT, self._timeout_detail("first chunk"), code)
             return
-        if self.shm is not None and code in _DOES_NOT_FIT_CODES:
+        if self.shm is not None and _does_not_fit(code, details):
             # A next chunk that does not fit in the rest of the lent range (docs/protocol.md):
             # the same misuse as a chunk that does not fit `into` on the other transports.
-            # (An INVALID_ARGUMENT before any chunk landed never gets here: it refused the
-            # lend, and the load went on over gRPC.)
             raise self._too_small(details)
         rule = classify_status(code)
         if rule.load_reason is None:
@@ -494,10 +490,17 @@ class LoadSession:
 
 
 # How a producer refuses a shm Fetch's next chunk that does not fit in the rest of the lent
-# range: OUT_OF_RANGE, or INVALID_ARGUMENT once a chunk landed from a producer that refuses it
-# with the lend refusals' code. Its detail names the chunk and its size (docs/protocol.md).
-_DOES_NOT_FIT_CODES = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT})
+# range: OUT_OF_RANGE, its detail naming the chunk and its size (docs/protocol.md). Producers
+# of an earlier build refused it INVALID_ARGUMENT with the same detail; any other
+# INVALID_ARGUMENT is about the request itself (a chunk id the id lacks, say).
 _DOES_NOT_FIT = re.compile(r"chunk (?P<chunk_id>\d+) \((?P<nbytes>\d+) bytes\) does not fit")
+
+
+def _does_not_fit(code: grpc.StatusCode | None, details: str) -> bool:
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return True
+    return code == grpc.StatusCode.INVALID_ARGUMENT and _DOES_NOT_FIT.match(details) is not None
+
 
 # Outcomes that point at a bug or corruption somewhere: worth a warning in the worker's log.
 _LOUD = frozenset({Reason.CHECKSUM_MISMATCH, Reason.PROTOCOL_ERROR, Reason.RPC_ERROR})

@@ -23,11 +23,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
 from kvpark.shm import (
     FETCH_ROLE,
+    LEND_ENDED,
+    LEND_UNKNOWN,
     SharedBuffer,
     ShmBusy,
     ShmDisconnected,
@@ -43,6 +46,17 @@ from ._errors import UsageError
 from ._timeouts import CONCLUSIVE_TIMEOUT_S
 
 log = logging.getLogger("kvpark.client")
+# The details of a call refused for its lend alone (the producer does not hold it, or it ended):
+# only such a call is worth making again without shared memory. Any other INVALID_ARGUMENT is
+# about the request itself and would be refused again on every transport.
+LEND_REFUSALS = (LEND_UNKNOWN, LEND_ENDED)
+
+
+def lend_refused(code: grpc.StatusCode | None, details: str | None) -> bool:
+    """Whether a Park or Fetch that ended with `code` and `details` was refused for its lend
+    alone."""
+    return code == grpc.StatusCode.INVALID_ARGUMENT and (details or "").startswith(LEND_REFUSALS)
+
 
 # How long a client leaves an unreachable shm socket alone before trying again.
 RETRY_AFTER_S = 10.0

@@ -380,7 +380,7 @@ class KVConsumer(ClientBase):
                 ended = finished = True
         except grpc.RpcError as exc:
             ended = True
-            if session.refused_out_of_band(exc.code()):
+            if session.refused_out_of_band(exc.code(), exc.details()):
                 # Refused before any copy: the producer does not hold this lend (it
                 # restarted, say). `finished` stays False, so the lend is settled below and
                 # the next load lends anew instead of naming the dead lend again.

@@ -39,6 +39,7 @@ from kvpark import (
     KVConsumer,
     KVParker,
     Reason,
+    RequestRejectedError,
     State,
     Timeout,
     wire,
@@ -930,6 +931,39 @@ async def test_a_load_whose_lend_the_producer_dropped_goes_on_over_grpc_and_is_c
         "kvpark_client_transport_fallbacks_total", {"transport": "shm"}
     )
     assert counted == 1
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_an_shm_fetch_refused_for_its_request_is_not_taken_for_a_refused_lend(
+    flavour: str, shm_socket: str
+) -> None:
+    """A shm Fetch refused INVALID_ARGUMENT for the request itself (a chunk id the id does not
+    have) raises at once: only a refusal whose detail names the lend sends the load again over
+    the gRPC stream, where this request would be refused the same way; no shm fallback is
+    counted."""
+    registry = CollectorRegistry()
+    data = chunks(2, seed=4)
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        metrics = ConsumerMetrics(registry)
+        with KVParker(server.target) as parker:
+            assert (await in_thread(parker.park, "kv", data)).ok
+        if flavour == "sync":
+
+            def load() -> None:
+                with KVConsumer(server.target, transport="shm", metrics=metrics) as consumer:
+                    consumer.load("kv", chunk_ids=[5], into=consumer.shared_buffer(2 * CHUNK))
+
+            with pytest.raises(RequestRejectedError, match="chunk_id 5"):
+                await in_thread(load)
+        else:
+            async with AsyncKVConsumer(server.target, transport="shm", metrics=metrics) as c:
+                with pytest.raises(RequestRejectedError, match="chunk_id 5"):
+                    await c.load("kv", chunk_ids=[5], into=c.shared_buffer(2 * CHUNK))
+        server.lot.check_invariants()
+    counted = registry.get_sample_value(
+        "kvpark_client_transport_fallbacks_total", {"transport": "shm"}
+    )
+    assert not counted, counted
 
 
 async def test_a_placement_names_its_offset_from_the_start_of_the_fetched_range(
