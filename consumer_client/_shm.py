@@ -160,8 +160,14 @@ class ShmAccess:
         if buffer is None or buffer.nbytes < nbytes:
             try:
                 buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
+            except (OSError, MemoryError) as exc:
+                # Out of descriptors or memory: staging only saves copies, so this call goes
+                # over another path, which needs neither a new descriptor nor a second buffer.
+                self.unstage()
+                log.info("kvpark: shared memory not used for this call: no staging buffer: %s", exc)
+                return None
             except BaseException:
-                self.unstage()  # out of memory or descriptors: not busy for ever
+                self.unstage()  # not busy for ever
                 raise
             with self._lock:
                 closed = self._closed

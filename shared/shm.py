@@ -350,7 +350,10 @@ class ShmLender:
             if limit <= 0:
                 raise ShmTimedOut(f"no time left to connect to {self.path}")
             deadline = time.monotonic() + limit
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            except OSError as exc:  # out of descriptors, say: the call goes without shm
+                raise ShmUnavailable(f"cannot open a socket for {self.path}: {exc}") from None
             sock.settimeout(limit)
             try:
                 sock.connect(self.path)

@@ -5,12 +5,16 @@ async TCP load ends it at once, async loads waiting on their data connections do
 the others, the staging buffer comes back after a load that raised, a shared buffer that
 runs out midway raises BufferTooSmallError as on every transport, a consumer that stops
 reading its shm Fetch is cut off like a gRPC one, a lend whose buffer its owner closed is
-released, and a restarted producer gets shared memory again. Real producers throughout."""
+released, a restarted producer gets shared memory again, and a process out of file
+descriptors loads and parks over the gRPC stream. Real producers throughout."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import sys
+import textwrap
 import threading
 from typing import Any
 
@@ -255,3 +259,65 @@ async def test_a_restarted_producer_gets_shared_memory_again(shm_socket: str) ->
     finally:
         consumer.close()
     assert after[-1] == (True, "shm"), after
+
+
+# Run in a process of its own: it uses up its file descriptors. Each call that would need a new
+# one for shared memory (a bigger staging buffer, a first connection to the shm socket) must go
+# over the gRPC stream, which needs none, instead of raising.
+OUT_OF_DESCRIPTORS = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    import numpy as np
+    from kvpark import KVConsumer, KVParker
+
+    target, sock = sys.argv[1:]
+    small, big = np.full(8192, 1, np.uint8), np.full(65536, 2, np.uint8)
+    results = {}
+    with (
+        KVParker(target, shm_socket=sock) as parker,
+        KVConsumer(target, shm_socket=sock) as staged,
+        KVConsumer(target, shm_socket=sock) as fresh,
+    ):
+        assert parker.park("warm", [small]).transport == "shm"
+        assert staged.load("warm", into=np.empty(8192, np.uint8)).transport == "shm"
+        fresh.server_info()
+        shared = fresh.shared_buffer(65536)
+        hog = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16,
+                           resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        while True:
+            try:
+                hog.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        into = np.empty(65536, np.uint8)
+        loaded = staged.load("big", into=into)  # needs a bigger staging buffer
+        results["staged load"] = [loaded.ok, loaded.transport, bool((into == 2).all())]
+        loaded = fresh.load("big2", into=shared)  # needs its first shm connection
+        results["shared-buffer load"] = [loaded.ok, loaded.transport, bool((shared == 2).all())]
+        parked = parker.park("parked", [big])  # needs a bigger staging buffer
+        results["park"] = [parked.ok, parked.transport, True]
+        for fd in hog:
+            os.close(fd)
+    print(json.dumps(results))
+    """
+)
+
+
+async def test_out_of_descriptors_loads_and_parks_go_over_grpc(shm_socket: str) -> None:
+    async with running_producer(shm_socket=shm_socket) as server:
+        for kid in ("big", "big2"):
+            assert await asyncio.to_thread(park, server.target, kid, [np.full(65536, 2, np.uint8)])
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", OUT_OF_DESCRIPTORS, server.target, shm_socket,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0, err.decode()[-2000:]
+        server.lot.check_invariants()
+    results = json.loads(out)
+    assert results == {
+        "staged load": [True, "grpc", True],
+        "shared-buffer load": [True, "grpc", True],
+        "park": [True, "grpc", True],
+    }, results
