@@ -187,18 +187,26 @@ class ProducerServer:
             ),
             server,
         )
-        self.port = self._bind(server)
-        # Every port is taken before the server starts: a metrics port in use ends the start
-        # here, before health says SERVING and with no gRPC server left running.
-        metrics_address = self.config.metrics_address
-        if metrics_address is not None:
-            self.metrics_port = _bound(
-                "metrics_listen",
-                self.config.metrics_listen,
-                lambda: self.metrics.serve(metrics_address.host, metrics_address.port),
-            )
-        self._start_transports()
-        await server.start()
+        try:
+            # Every port is taken before the server starts: a port in use ends the start
+            # here, before health says SERVING and with no gRPC server left running. The gRPC
+            # port comes last: grpc.aio keeps the port of a server that never started bound
+            # until the process ends, whereas what starts before it is stopped below.
+            metrics_address = self.config.metrics_address
+            if metrics_address is not None:
+                self.metrics_port = _bound(
+                    "metrics_listen",
+                    self.config.metrics_listen,
+                    lambda: self.metrics.serve(metrics_address.host, metrics_address.port),
+                )
+            self._start_transports()
+            self.port = self._bind(server)
+            await server.start()
+        except BaseException:
+            # A start that fails part-way leaves nothing listening (an embedding process goes
+            # on, and `shutdown` has no server to stop).
+            self._stop_side_services()
+            raise
         self._server = server
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -407,13 +415,18 @@ class ProducerServer:
         await self._server.stop(1.0)
         if self._reaper is not None:
             self._reaper.cancel()
+        self._stop_side_services()
+        self._stopped.set()
+
+    def _stop_side_services(self) -> None:
+        """Stops what runs beside the gRPC server: the out-of-band transports, the data
+        threads and the metrics endpoint."""
         if self.data is not None:
             self.data.stop()
         if self.shm is not None:
             self.shm.stop()
         self.data_threads.close()
         self.metrics.close()
-        self._stopped.set()
 
 
 async def serve(config: ProducerConfig, credentials: Credentials) -> int:

@@ -120,6 +120,28 @@ def test_a_listener_port_in_use_is_named(key: str) -> None:
     )
 
 
+async def test_a_start_that_fails_part_way_leaves_nothing_listening(shm_socket: str) -> None:
+    """In a process that goes on (an embedding, a test), a producer whose data port is taken
+    fails to start and leaves no metrics port, shm socket or gRPC port behind: each can be
+    bound again at once."""
+    grpc_port, metrics_port = free_port(), free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        with pytest.raises(OSError, match="data_listen"):
+            async with running_producer(
+                listen=f"127.0.0.1:{grpc_port}",
+                metrics_listen=f"127.0.0.1:{metrics_port}",
+                shm_socket=shm_socket,
+                data_listen=f"127.0.0.1:{busy.getsockname()[1]}",
+            ):
+                pass
+    for port in (grpc_port, metrics_port):
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", port))  # EADDRINUSE while anything still listens
+    assert not os.path.exists(shm_socket)
+
+
 # --- TLS files ------------------------------------------------------------------------------
 
 
