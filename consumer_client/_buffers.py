@@ -22,6 +22,7 @@ another shape or length): the Fetch is cancelled and `BufferTooSmallError` is ra
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,29 @@ def _parts(destination: ChunkDestination, what: str) -> list[memoryview]:
     if isinstance(destination, list | tuple):
         return [byte_view(d, f"{what}[{i}]").data for i, d in enumerate(destination)]
     return [byte_view(destination, what).data]
+
+
+def _refuse_overlaps(checked: list[list[memoryview]]) -> None:
+    """Refuses destinations that share memory (`[buffer] * n` is the usual slip): each chunk
+    would overwrite the one before it, and the load would still verify every chunk as it
+    landed and report success."""
+    spans = sorted(
+        (np.frombuffer(part, np.uint8).__array_interface__["data"][0], len(part), index)
+        for index, parts in enumerate(checked)
+        for part in parts
+        if len(part)
+    )
+    for (start, size, first), (next_start, _, second) in itertools.pairwise(spans):
+        if next_start < start + size:
+            which = (
+                f"parts of into[{first}]"
+                if first == second
+                else f"into[{first}] and into[{second}]"
+            )
+            raise UsageError(
+                f"{which} share memory: each chunk needs memory of its own, or one chunk's "
+                "bytes would overwrite another's"
+            )
 
 
 def _scatter(data: memoryview, parts: list[memoryview]) -> None:
@@ -185,6 +209,7 @@ class ChunkBuffers:
                 raise UsageError("into: the sequence of chunk destinations is empty")
             # Checked now, so a bad entry is misuse before any byte moves.
             self._checked = [_parts(d, f"into[{i}]") for i, d in enumerate(into)]
+            _refuse_overlaps(self._checked)
             self.capacity = sum(len(p) for parts in self._checked for p in parts)
         self.nbytes = 0
 

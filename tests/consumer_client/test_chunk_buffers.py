@@ -66,3 +66,31 @@ async def test_an_array_of_objects_is_not_a_destination() -> None:
         for into in (np.empty(8, object), [np.empty(8, object)], [[np.empty(8, object)]]):
             with pytest.raises(UsageError, match="holds references"):
                 await consumer.load("kv", num_chunks=1, into=into)
+
+
+async def test_destinations_that_share_memory_are_refused_before_anything_moves() -> None:
+    """`[buffer] * n` would have every chunk overwrite the one before, each verified as it
+    landed, and the load report success; it is misuse, refused with the id untouched."""
+    shared = np.zeros(64, np.uint8)
+    other = np.zeros(64, np.uint8)
+    async with running_producer() as server:
+        async with AsyncKVParker(server.target) as parker:
+            assert (await parker.park("kv", [b"a" * 64, b"b" * 64, b"c" * 64])).ok
+        async with AsyncKVConsumer(server.target, timeout=Timeout(10)) as consumer:
+            for into, names in (
+                ([shared, other, shared], r"into\[0\] and into\[2\]"),
+                ([shared[:40], other, shared[32:]], r"into\[0\] and into\[2\]"),
+                (
+                    [other, [shared[:40], shared[32:]], np.zeros(64, np.uint8)],
+                    r"parts of into\[1\]",
+                ),
+            ):
+                with pytest.raises(UsageError, match=names + " share memory"):
+                    await consumer.load("kv", num_chunks=3, into=into)
+            assert not shared.any() and not other.any()
+            # Neighbouring views of one buffer are fine: they touch, they do not overlap.
+            pair = np.zeros(128, np.uint8)
+            result = await consumer.load("kv", num_chunks=3, into=[pair[:64], pair[64:], other])
+        server.lot.check_invariants()
+    assert result.ok, result
+    assert pair.tobytes() == b"a" * 64 + b"b" * 64 and other.tobytes() == b"c" * 64
