@@ -42,10 +42,9 @@ from ._park import (
     ParkResult,
     PreparedChunk,
     crc_of,
-    lend_refused,
     prepare,
 )
-from ._shm import ShmAccess
+from ._shm import ShmAccess, lend_refused
 from ._timeouts import OUT_OF_BAND_SHARE
 
 # Why a batch nothing was put in is not committed (it would park an id of no chunks).
@@ -195,11 +194,7 @@ class BatchRoute:
     def may_go_inline(self, code: grpc.StatusCode | None, details: str | None) -> bool:
         """Whether a call that ended with `code` and `details` is the producer refusing the
         lent buffer and every chunk put so far can be sent again (`inline`)."""
-        return (
-            bool(self.frames.lend_id)
-            and lend_refused(code, details or "")
-            and not self._inline_sent
-        )
+        return bool(self.frames.lend_id) and lend_refused(code, details) and not self._inline_sent
 
     def forget_lend(self) -> None:
         """The producer refused the lend the header named: forgotten, so the next use of the

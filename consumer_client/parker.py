@@ -66,13 +66,12 @@ from ._park import (
     batch_frames,
     check_batch_bytes,
     check_total,
-    lend_refused,
     monotonic,
     plan_shm,
     prepare_all,
 )
 from ._park_route import EMPTY_BATCH, BatchRoute
-from ._shm import ShmAccess
+from ._shm import ShmAccess, lend_refused
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg, resolve
 
 PARK_METHOD = SERVICE + "Park"
