@@ -8,8 +8,12 @@
     kvpark bench [--target HOST:PORT] [--quick] [--size SIZE] [--chunk SIZE,...] [--json-file F]
 
 Connection options (`--target HOST:PORT`, env KVPARK_TARGET; `--token-file`, env KVPARK_TOKEN;
-`--tls`, `--tls-ca`, `--tls-cert` with `--tls-key`; `--rpc-timeout`) and `--json` go before or
-after the command; the token and TLS options apply to every target.
+`--tls`, `--tls-ca`, `--tls-cert` with `--tls-key`, `--tls-server-name`; `--rpc-timeout`) and
+`--json` go before or after the command; the token and TLS options apply to every target. With
+TLS the TCP data connection of a fetch uses the same files as the gRPC channel, and both check
+the producer's certificate for `--tls-server-name` when given (gRPC's
+`grpc.ssl_target_name_override`: one certificate shared by producers dialed by pod IP), else
+for the target's host.
 
 `kvpark info` and `kvpark lookup` take several producers: `--target` repeated and/or
 `--targets-file` (one host:port per line, `#` comments, blank lines skipped). Then they ask all
@@ -34,8 +38,9 @@ release it refused), a fetch whose bytes could not all be written to `--out` (th
 then not confirmed: the producer keeps the id for a retry within its delivery grace), or,
 asking several producers, at least one of them did not answer (the others' rows are printed
 all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
-host:port, unreadable token file, a bad line in the targets file, several --target for a
-command that takes one); 3 the call did not get through (unreachable, deadline, auth, not a
+host:port, unreadable token file, a TLS file that is not a PEM certificate or key,
+--tls-server-name without TLS, a bad line in the targets file, several --target for a command
+that takes one); 3 the call did not get through (unreachable, deadline, auth, not a
 kvpark producer; for a fetch, a connection that broke or a load timeout before any chunk came
 back); 130 interrupted by Ctrl-C. `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`,
 except 3 when the last refresh of a `--count` run did not reach the producer (while it runs, a
@@ -75,6 +80,7 @@ from .cli_connect import (
     TargetOption,
     given_targets,
     positive_seconds,
+    server_name_option,
     target_option,
     targets_of,
 )
@@ -161,6 +167,15 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         ("--tls-key", "client key for mTLS (with --tls-cert)"),
     ):
         conn.add_argument(flag, type=Path, default=default(None), metavar="FILE", help=text)
+    conn.add_argument(
+        "--tls-server-name",
+        type=server_name_option,
+        default=default(None),
+        metavar="NAME",
+        help="with TLS: the name the producer's certificate must carry, checked instead of the "
+        "target's host, by the gRPC channel and the TCP data connection alike "
+        "(grpc.ssl_target_name_override; e.g. kvpark-producer when dialing pod IPs)",
+    )
     conn.add_argument(
         "--rpc-timeout",
         type=positive_seconds,

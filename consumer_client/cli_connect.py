@@ -3,13 +3,18 @@
 Targets come from `--target` (repeatable, before or after the command), `--targets-file` (one
 `host:port` per line) or, when neither is given, `KVPARK_TARGET` or the default. The token and
 TLS files are read once into a `Connection`, which then opens clients for any number of
-targets with the same credentials.
+targets with the same credentials. The TLS options alone are a `ClientTls`, which every client
+the CLI builds takes (`kvpark bench` too, with tokens of its own): the gRPC channel's
+credentials, the TCP data connection's `ssl.SSLContext` made from the same files, and the name
+both check the producer's certificate against (`--tls-server-name`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,9 @@ from .cli_snapshot import SnapshotReader
 TARGET_ENV = "KVPARK_TARGET"
 TOKEN_ENV = "KVPARK_TOKEN"
 DEFAULT_TARGET = "127.0.0.1:50051"
+# The channel option naming the host the producer's certificate must carry instead of the
+# target's; the client's TCP data connection checks the same name.
+SERVER_NAME_OPTION = "grpc.ssl_target_name_override"
 
 
 class TargetOption(argparse.Action):
@@ -136,6 +144,53 @@ def _read_pem(path: Path | None) -> bytes | None:
     return data
 
 
+def server_name_option(text: str) -> str:
+    """argparse type of `--tls-server-name`: one host name (or IP address) as a certificate
+    names it."""
+    if not text or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError(
+            f"expected a host name the producer's certificate names, got {text!r}"
+        )
+    return text
+
+
+def _refuse_encrypted_key(key: Path) -> Callable[[], bytes]:
+    """The `password` callback of `load_cert_chain`: called only for an encrypted key, which
+    OpenSSL would otherwise ask for on the terminal (and grpc cannot read at all)."""
+
+    def refuse() -> bytes:
+        raise UsageError(f"{key}: the key is encrypted (expected an unencrypted PEM key)")
+
+    return refuse
+
+
+def _data_tls(
+    ca_path: Path | None, ca: bytes | None, cert: Path | None, key: Path | None
+) -> ssl.SSLContext:
+    """The TCP data connection's TLS, from the files the gRPC channel's credentials come from:
+    the CA (the system's roots without one) and the client certificate for mTLS. A file the
+    channel would only fail on at the handshake is a usage error here, as `_read_pem`'s are."""
+    # With a CA only it is trusted, as grpc's credentials trust only it; without one, the
+    # system's roots. PEM is ASCII: what else a bundle holds sits outside its blocks.
+    cadata = None if ca is None else ca.decode("ascii", errors="ignore")
+    try:
+        context = ssl.create_default_context(cadata=cadata)
+    except ssl.SSLError as exc:
+        raise UsageError(
+            f"{ca_path}: holds no usable CA certificate ({exc.reason or exc})"
+        ) from None
+    if cert is not None and key is not None:
+        try:
+            context.load_cert_chain(cert, key, password=_refuse_encrypted_key(key))
+        except ssl.SSLError as exc:  # an OSError too: before the one for unreadable files
+            raise UsageError(
+                f"{cert}, {key}: not a client certificate and its key ({exc.reason or exc})"
+            ) from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {exc.filename or cert}: {exc.strerror}") from None
+    return context
+
+
 def _token(args: argparse.Namespace) -> str | None:
     """`--token-file`'s token, else `KVPARK_TOKEN`'s (empty: none), as gRPC metadata takes it.
     Token values never appear in a message."""
@@ -157,30 +212,59 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 @dataclass(frozen=True)
-class Connection:
-    """The token and TLS credentials of the connection options, read once for every target."""
+class ClientTls:
+    """The TLS options, read once: what each client the CLI builds is given. All None for
+    plaintext."""
 
-    token: str | None = field(repr=False)
-    credentials: grpc.ChannelCredentials | None
+    credentials: grpc.ChannelCredentials | None = None
+    # The TCP data connection's own TLS: without it a consumer on a TLS channel never offers
+    # TCP, and its loads go over the gRPC stream.
+    data_tls: ssl.SSLContext | None = None
+    server_name: str | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Connection:
-        token = _token(args)
-        credentials = None
+    def from_args(cls, args: argparse.Namespace) -> ClientTls:
         # A client key names mTLS as much as its certificate does: alone it is a mistake to
         # report, not an option to drop.
         if bool(args.tls_cert) != bool(args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
-        if args.tls or args.tls_ca or args.tls_cert:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read_pem(args.tls_ca),
-                private_key=_read_pem(args.tls_key),
-                certificate_chain=_read_pem(args.tls_cert),
-            )
-        return cls(token, credentials)
+        server_name: str | None = args.tls_server_name
+        if not (args.tls or args.tls_ca or args.tls_cert):
+            # A plaintext channel checks no certificate: the name would be silently unused.
+            if server_name is not None:
+                raise UsageError("--tls-server-name goes with TLS (--tls, --tls-ca or --tls-cert)")
+            return cls()
+        ca, key, cert = (_read_pem(path) for path in (args.tls_ca, args.tls_key, args.tls_cert))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+        data_tls = _data_tls(args.tls_ca, ca, args.tls_cert, args.tls_key)
+        return cls(credentials, data_tls, server_name)
+
+    def channel_args(self) -> dict[str, Any]:
+        """Keyword arguments of any client's channel (a `KVParker`'s, a reader's)."""
+        options = ((SERVER_NAME_OPTION, self.server_name),) if self.server_name else ()
+        return {"credentials": self.credentials, "channel_options": options}
+
+    def consumer_args(self) -> dict[str, Any]:
+        """Keyword arguments of a `KVConsumer`: its channel's, and its data connection's."""
+        return {**self.channel_args(), "data_tls": self.data_tls}
+
+
+@dataclass(frozen=True)
+class Connection:
+    """The token and TLS credentials of the connection options, read once for every target."""
+
+    token: str | None = field(repr=False)
+    tls: ClientTls
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Connection:
+        token = _token(args)
+        return cls(token, ClientTls.from_args(args))
 
     def consumer(self, target: str, **client_args: Any) -> KVConsumer:
-        return KVConsumer(target, token=self.token, credentials=self.credentials, **client_args)
+        return KVConsumer(target, token=self.token, **self.tls.consumer_args(), **client_args)
 
     def reader(self, target: str) -> SnapshotReader:
-        return SnapshotReader.open(target, token=self.token, credentials=self.credentials)
+        return SnapshotReader.open(target, token=self.token, **self.tls.channel_args())

@@ -9,8 +9,10 @@ producer.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -59,13 +61,18 @@ class SnapshotReader:
 
     @classmethod
     def open(
-        cls, target: str, *, token: str | None, credentials: grpc.ChannelCredentials | None
+        cls,
+        target: str,
+        *,
+        token: str | None,
+        credentials: grpc.ChannelCredentials | None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> SnapshotReader:
         settings = ChannelSettings.build(
             target,
             token=token,
             credentials=credentials,
-            channel_options=(),
+            channel_options=channel_options,
             interceptors=(),
             max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
         )

@@ -32,6 +32,7 @@ from .._channel import DEFAULT_MAX_CHUNK_BYTES
 from .._errors import UsageError
 from .._models import ProducerInfo
 from .._sync import KVConsumer
+from ..cli_connect import ClientTls
 from ..parker import KVParker
 from . import report, sections
 from .late_fetcher import ProberArgs
@@ -98,22 +99,18 @@ def _token(path: Path | None, env: str) -> str | None:
 
 def client_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Connection arguments of the KVParker and of the KVConsumer."""
-    tls = args.tls or args.tls_ca or args.tls_cert or args.tls_key
+    tls_options = (args.tls, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     if not args.target_given:
-        if tls or args.park_token_file or args.fetch_token_file or args.token_file:
+        if any(tls_options) or args.park_token_file or args.fetch_token_file or args.token_file:
             raise UsageError("tokens and TLS go with --target: our own producer has neither")
         return {}, {}
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise UsageError("--tls-cert and --tls-key go together")
-    try:
-        pem = [p.read_bytes() if p else None for p in (args.tls_ca, args.tls_key, args.tls_cert)]
-    except OSError as exc:
-        raise UsageError(f"cannot read {exc.filename}: {exc.strerror}") from None
-    credentials = grpc.ssl_channel_credentials(*pem) if tls else None
+    # The other commands' TLS, data connection included: without it the tcp row would fall
+    # back to the gRPC stream against a TLS producer.
+    tls = ClientTls.from_args(args)
     fetch = _token(args.fetch_token_file, "KVPARK_FETCH_TOKEN")
     fetch = fetch or _token(args.token_file, "KVPARK_TOKEN")
     park = _token(args.park_token_file, "KVPARK_PARK_TOKEN")
-    return {"token": park, "credentials": credentials}, {"token": fetch, "credentials": credentials}
+    return {"token": park, **tls.channel_args()}, {"token": fetch, **tls.consumer_args()}
 
 
 def own_pool_bytes(plan: sections.Plan) -> int:
@@ -186,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             tls_key=getattr(args, "tls_key", None),
             tls_cert=getattr(args, "tls_cert", None),
             tls=fetch_args.get("credentials") is not None,
+            server_name=getattr(args, "tls_server_name", None),
         )
         # The clients' default room, unless a chunk needs more: a limit below the producer's
         # own would only earn a warning.

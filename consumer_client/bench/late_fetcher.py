@@ -4,7 +4,8 @@ loads. A process of its own, because a thread among the loading threads would me
 process's GIL, not the producer's answer.
 
     python -m kvpark.client.bench.late_fetcher TARGET KV_REQUEST_ID [CA [KEY CERT]]
-    (the fetch token in KVPARK_FETCH_TOKEN; with CA, TLS with that root and client key/cert)
+    (the fetch token in KVPARK_FETCH_TOKEN; with CA, TLS with that root and client key/cert,
+    checking the name in KVPARK_TLS_SERVER_NAME when set, as `--tls-server-name`)
 
 It warms up, prints `ready`, then for each `go` line on stdin fetches the id back to back
 until the `stop` line (at least once), and prints the seconds of each try as one JSON list.
@@ -27,9 +28,11 @@ import grpc
 
 from .._result import Reason
 from .._sync import KVConsumer
+from ..cli_connect import SERVER_NAME_OPTION
 from .processes import child_env, end_child
 
 CALL_TIMEOUT_S = 10.0
+SERVER_NAME_ENV = "KVPARK_TLS_SERVER_NAME"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class ProberArgs:
     tls_key: Path | None = None
     tls_cert: Path | None = None
     tls: bool = False
+    server_name: str | None = None
+
+    def env(self) -> dict[str, str]:
+        token = {"KVPARK_FETCH_TOKEN": self.token} if self.token else {}
+        return token | ({SERVER_NAME_ENV: self.server_name} if self.server_name else {})
 
     def argv(self) -> list[str]:
         if not self.tls:
@@ -52,7 +60,7 @@ class Prober:
     """The prober process, owned by this object: started warmed up, stopped by its PID."""
 
     def __init__(self, target: str, kid: str, args: ProberArgs) -> None:
-        env = child_env() | ({"KVPARK_FETCH_TOKEN": args.token} if args.token else {})
+        env = child_env() | args.env()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, target, kid, *args.argv()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
@@ -116,7 +124,11 @@ def main(argv: Sequence[str]) -> int:
     token = os.environ.get("KVPARK_FETCH_TOKEN") or None
     pem = [Path(path).read_bytes() if path else None for path in tls]  # CA, key, cert
     credentials = grpc.ssl_channel_credentials(*pem) if tls else None
-    with KVConsumer(target, token=token, credentials=credentials, transport="grpc") as consumer:
+    name = os.environ.get(SERVER_NAME_ENV)
+    options = [(SERVER_NAME_OPTION, name)] if name else []
+    with KVConsumer(
+        target, token=token, credentials=credentials, channel_options=options, transport="grpc"
+    ) as consumer:
         for _ in range(5):  # connection and first-call set-up are not tries
             _late_fetch(consumer, kid)
         print("ready", flush=True)
