@@ -131,6 +131,19 @@ class _Stored:
     crc32c: int
 
 
+@dataclass(frozen=True, slots=True)
+class Resent:
+    """A chunk an open batch sends by reference that the id already holds (committed, or
+    pending in this batch): its bytes are compared with the stored ones (`stored_views`)
+    instead of copied, and `end_compare` keeps nothing more."""
+
+    stored: _Stored
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored.handle.nbytes
+
+
 @dataclass(eq=False, slots=True)
 class _Entry:
     kv_request_id: str
@@ -424,10 +437,12 @@ class Lot:
 
     def begin_fill(
         self, batch: ParkBatch, chunk_id: int, nbytes: int
-    ) -> tuple[SlotHandle, list[memoryview]] | Refusal:
+    ) -> tuple[SlotHandle, list[memoryview]] | Resent | Refusal:
         """The first half of storing a chunk that is copied in off the event loop (from a
         buffer a client lent): the checks `park_chunk` makes before its copy, and a slot whose
-        views the caller fills. `end_fill` finishes it."""
+        views the caller fills. `end_fill` finishes it. A chunk the id already holds takes no
+        pages, as inline: the caller compares it with the stored bytes (`Resent`) and
+        `end_compare` finishes it."""
         if batch.failed is not None:
             return batch.failed
         entry = batch.entry
@@ -443,6 +458,14 @@ class Lot:
         if chunk_id >= (entry.total_chunks or MAX_CHUNKS):
             self._undo(batch, Refusal(pb.REASON_UNSPECIFIED, "malformed chunk"))
             raise MalformedRequest(_out_of_range(chunk_id, entry.total_chunks))
+        same = batch.pending.get(chunk_id) or entry.chunks.get(chunk_id)
+        if same is not None:
+            # Re-sent (a batch sent again after a broken call): it needs no room, so it must
+            # neither count against the batch's size nor evict a delivered id for pages.
+            if same.handle.nbytes != nbytes:
+                detail = f"chunk {chunk_id} was parked with other bytes"
+                return self._undo(batch, Refusal(CHUNK_CONFLICT, detail))
+            return Resent(same)
         if batch.held_pages + self.pool.pages_for(nbytes) > self.max_batch_pages:
             return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))
         handle = self._allocate(nbytes, batch.reservation)
@@ -485,6 +508,27 @@ class Lot:
         batch.held_pages += self.pool.pages_for(handle.nbytes)
         self._pending_bytes += handle.nbytes
         return None
+
+    def stored_views(self, resent: Resent) -> list[memoryview]:
+        """The stored bytes a re-sent chunk is compared with."""
+        return self.pool.views(resent.stored.handle)
+
+    def end_compare(
+        self, batch: ParkBatch, chunk_id: int, resent: Resent, crc32c: int | None, actual: int,
+        same_bytes: bool,
+    ) -> Refusal | None:  # fmt: skip
+        """The second half for a re-sent chunk: its bytes were compared with the stored ones
+        (`same_bytes`) and their CRC32C computed (`actual`). As `park_chunk`: the same bytes
+        again are accepted and stored once; other bytes are a conflict."""
+        if batch.failed is not None:
+            return batch.failed
+        if crc32c is not None and actual != crc32c:
+            detail = f"chunk {chunk_id}: crc32c {actual:#010x}, the chunk says {crc32c:#010x}"
+            return self._undo(batch, Refusal(CHECKSUM_MISMATCH, detail))
+        if same_bytes and resent.stored.crc32c == actual:
+            return None
+        detail = f"chunk {chunk_id} was parked with other bytes"
+        return self._undo(batch, Refusal(CHUNK_CONFLICT, detail))
 
     def commit_park(self, batch: ParkBatch, chunks: int, nbytes: int) -> ParkDone | Refusal:
         """Makes the batch visible, all at once, if `chunks` and `nbytes` name what it sent."""

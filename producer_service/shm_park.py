@@ -5,7 +5,9 @@ names each chunk by offset and size (`ChunkRef`), several per message (`ChunkRef
 one the lot hands out pool pages (`begin_fill`); one worker thread job per message copies its
 chunks into them and computes the CRC32C of what landed (so what is checked is exactly what is
 kept, whatever the client does to its buffer meanwhile), and the lot checks and keeps each
-(`end_fill`). A few jobs run at once, so reading the next message overlaps the copies; the
+(`end_fill`). A chunk the id already holds (a batch sent again after a broken call) is
+compared with the stored bytes instead (`end_compare`), taking no pages, as inline. A few jobs
+run at once, so reading the next message overlaps the copies; the
 commit waits for all of them, and a batch cut off waits for its threads before their pages
 can go back.
 """
@@ -23,7 +25,7 @@ from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 
 from .data_threads import DataThreads, wait
-from .lot import Lot, ParkBatch, Refusal
+from .lot import Lot, ParkBatch, Refusal, Resent
 from .pool import SlotHandle
 
 # Groups of fills in flight per batch: enough to keep both cores copying while the next
@@ -44,11 +46,35 @@ def copy_and_crc(source: memoryview, views: list[memoryview]) -> int:
     return crc
 
 
-def copy_group(jobs: list[tuple[memoryview, list[memoryview]]]) -> list[int]:
-    return [copy_and_crc(source, views) for source, views in jobs]
+def compare_and_crc(source: memoryview, views: list[memoryview]) -> tuple[int, bool]:
+    """The CRC32C of `source`, and whether the stored chunk's views hold the same bytes."""
+    crc = 0
+    pos = 0
+    same = True
+    for view in views:
+        n = len(view)
+        piece = source[pos : pos + n]
+        crc = crc32c_of(piece, crc)
+        same = same and np.array_equal(
+            np.frombuffer(view, np.uint8), np.frombuffer(piece, np.uint8)
+        )
+        pos += n
+    return crc, same
 
 
-Fill = tuple[pb.ChunkRef, SlotHandle]
+# One chunk of a job: its bytes in the lent buffer, the pool views they go to (or, re-sent,
+# are compared with), and whether it is re-sent.
+Job = tuple[memoryview, list[memoryview], bool]
+
+
+def copy_group(jobs: list[Job]) -> list[tuple[int, bool]]:
+    return [
+        compare_and_crc(source, views) if resent else (copy_and_crc(source, views), True)
+        for source, views, resent in jobs
+    ]
+
+
+Fill = tuple[pb.ChunkRef, SlotHandle | Resent]
 
 
 class LentChunks:
@@ -60,7 +86,7 @@ class LentChunks:
         self._threads = threads
         self._batch = batch
         self._lent = lent
-        self._groups: deque[tuple[Future[list[int]], list[Fill]]] = deque()
+        self._groups: deque[tuple[Future[list[tuple[int, bool]]], list[Fill]]] = deque()
 
     def check_range(self, ref: pb.ChunkRef) -> str | None:
         """What is wrong with the range `ref` names, or None."""
@@ -75,7 +101,7 @@ class LentChunks:
         """Starts filling one message's chunks; returns a refusal (the batch is undone) if a
         chunk was refused or a fill it had to wait for failed. Raises MalformedRequest as
         `Lot.begin_fill` does."""
-        opened: list[tuple[pb.ChunkRef, SlotHandle, list[memoryview]]] = []
+        opened: list[tuple[pb.ChunkRef, SlotHandle | Resent, list[memoryview]]] = []
         refused: Refusal | None = None
         try:
             for ref in refs:
@@ -83,13 +109,19 @@ class LentChunks:
                 if isinstance(slot, Refusal):
                     refused = slot
                     break
-                opened.append((ref, *slot))
+                if isinstance(slot, Resent):
+                    opened.append((ref, slot, self._lot.stored_views(slot)))
+                else:
+                    opened.append((ref, *slot))
         finally:
             if refused is not None or len(opened) < len(refs):  # refused, or raised
                 self._end_unfilled([(ref, handle) for ref, handle, _ in opened])
         if refused is not None:
             return refused
-        jobs = [(self._lent[r.offset : r.offset + r.nbytes], views) for r, _, views in opened]
+        jobs = [
+            (self._lent[r.offset : r.offset + r.nbytes], views, isinstance(slot, Resent))
+            for r, slot, views in opened
+        ]
         job = self._threads.submit(copy_group, jobs)
         self._groups.append((job, [(ref, handle) for ref, handle, _ in opened]))
         while len(self._groups) >= MAX_GROUPS_IN_FLIGHT:
@@ -127,15 +159,21 @@ class LentChunks:
     def _end_unfilled(self, fills: list[Fill]) -> None:
         """Hands back slots of a batch already undone: the lot frees them."""
         for ref, handle in fills:
-            self._lot.end_fill(self._batch, ref.chunk_id, handle, None, 0)
+            if not isinstance(handle, Resent):  # a compared chunk holds no pages of its own
+                self._lot.end_fill(self._batch, ref.chunk_id, handle, None, 0)
 
     async def _end_oldest(self) -> Refusal | None:
         job, fills = self._groups[0]
-        crcs = await wait(job)  # cancelled: the group stays for `drain`
+        ends = await wait(job)  # cancelled: the group stays for `drain`
         self._groups.popleft()
-        for i, ((ref, handle), crc) in enumerate(zip(fills, crcs, strict=True)):
+        for i, ((ref, handle), (crc, same)) in enumerate(zip(fills, ends, strict=True)):
             given = ref.crc32c if ref.HasField("crc32c") else None
-            refused = self._lot.end_fill(self._batch, ref.chunk_id, handle, given, crc)
+            if isinstance(handle, Resent):
+                refused = self._lot.end_compare(
+                    self._batch, ref.chunk_id, handle, given, crc, same_bytes=same
+                )
+            else:
+                refused = self._lot.end_fill(self._batch, ref.chunk_id, handle, given, crc)
             if refused is not None:
                 self._end_unfilled(fills[i + 1 :])
                 return refused
