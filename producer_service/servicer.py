@@ -462,7 +462,7 @@ class KVProducerServicer:
         """Sends a batch the destination has room for; `last`: no chunk of the Fetch follows."""
         kid = binding.entry.kv_request_id
         stall_s = self._fetch_stall_timeout_s
-        self._metrics.count_sent(sum(c.nbytes for c in chunks), destination.transport)
+        before = destination.sent_bytes
         try:
             await destination.send(chunks, last=last)
             self._lot.sent(binding)
@@ -470,6 +470,9 @@ class KVProducerServicer:
             self._stalled(binding, kid, context)
         except OSError as exc:  # the data connection broke: the consumer closed or reset it
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection broke: {exc}")
+        finally:
+            # What went out, also of a batch cut off: not the batch, which may be a whole id.
+            self._metrics.count_sent(destination.sent_bytes - before, destination.transport)
         if not binding.active and binding.failed is None:  # cut off for stalling
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

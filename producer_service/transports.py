@@ -72,6 +72,8 @@ class Destination(Protocol):
     transport: pb.Transport
     # True: a batch may be every ready chunk (the destination shares its thread by itself).
     whole_batches: bool
+    # Chunk bytes handed to the consumer so far (written, placed), also of a batch cut off.
+    sent_bytes: int
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         """Sends a batch; `last`: no chunk of this Fetch follows it."""
@@ -109,6 +111,7 @@ class GrpcStream:
         self._stall_s = stall_s
         self._on_stall = on_stall
         self._cut_off = False
+        self.sent_bytes = 0
 
     def _stalled(self) -> None:
         self._cut_off = True
@@ -123,6 +126,7 @@ class GrpcStream:
                 raise Stalled
             frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
             await write_watched(self._context, frame, self._stall_s, self._stalled)
+            self.sent_bytes += step.nbytes
 
     async def finish(self) -> None:
         pass
@@ -162,6 +166,7 @@ class TcpStream:
         self._threads = threads
         self._keep = keep
         self._handed_back = False
+        self.sent_bytes = 0
         self._ended = False  # the end frame went out with the last batch
         # A write that did not finish (stall, cancel, error) may have stopped inside a frame:
         # the connection can then never carry an end frame or another transfer.
@@ -193,17 +198,20 @@ class TcpStream:
         loop = asyncio.get_running_loop()
         progress_at, sent = loop.time(), 0
         self._broken = True  # until every frame of `writer` is out
-        while not await self._threads.run(
-            writer.write, self._sock, self._give_way, interrupt=self._interrupt
-        ):
-            if writer.sent_bytes > sent:
-                progress_at, sent = loop.time(), writer.sent_bytes
-            if writer.gave_way:
-                continue  # back in the queue, behind the jobs that waited
-            # The stall bound counts from the last byte the consumer took, not per attempt.
-            left_s = progress_at + self._stall_s - loop.time()
-            if left_s <= 0 or not await self._writable(loop, left_s):
-                raise Stalled
+        try:
+            while not await self._threads.run(
+                writer.write, self._sock, self._give_way, interrupt=self._interrupt
+            ):
+                if writer.sent_bytes > sent:
+                    progress_at, sent = loop.time(), writer.sent_bytes
+                if writer.gave_way:
+                    continue  # back in the queue, behind the jobs that waited
+                # The stall bound counts from the last byte the consumer took, not per attempt.
+                left_s = progress_at + self._stall_s - loop.time()
+                if left_s <= 0 or not await self._writable(loop, left_s):
+                    raise Stalled
+        finally:
+            self.sent_bytes += writer.payload_bytes
         self._broken = False
 
     async def _writable(self, loop: asyncio.AbstractEventLoop, within_s: float) -> bool:
@@ -266,6 +274,7 @@ class ShmStream:
         self._target = np.frombuffer(target, dtype=np.uint8)
         self._pos = 0
         self._limit = limit
+        self.sent_bytes = 0
 
     @property
     def room_left(self) -> int:
@@ -293,6 +302,7 @@ class ShmStream:
             pos += step.nbytes
         message = pb.FetchResponse(placed=placed).SerializeToString()
         await write_watched(self._context, message, self._stall_s, self._on_stall)
+        self.sent_bytes += pos - start
         self._pos = pos
 
     async def finish(self) -> None:

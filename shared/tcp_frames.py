@@ -73,7 +73,9 @@ class FrameWriter:
     def __init__(self, frames: Iterable[tuple[int, int, Sequence[memoryview]]]) -> None:
         self._frames = iter(frames)
         self._buffers: list[memoryview] = []  # what is left of the frame being written
+        self._header_left = 0  # bytes of the current frame's header not sent yet
         self.sent_bytes = 0
+        self.payload_bytes = 0  # of `sent_bytes`, chunk bytes (not frame headers)
         self.gave_way = False  # the last `write` stopped because `give_way` said so
 
     def write(self, sock: socket.socket, give_way: Callable[[int], bool] | None = None) -> bool:
@@ -90,6 +92,7 @@ class FrameWriter:
                 if frame is None:
                     return True
                 self._buffers = _frame_buffers(*frame)
+                self._header_left = len(self._buffers[0])
                 # Only before a frame with a payload: giving way for a bare end frame would
                 # make the consumer wait a whole turn of the queue for 16 bytes.
                 payload = len(self._buffers) > 1
@@ -105,6 +108,11 @@ class FrameWriter:
             except TimeoutError:
                 return False
             self.sent_bytes += sent
+            # A send never spans two frames (`_buffers` holds one), so it is the rest of this
+            # frame's header first, then payload.
+            header = min(sent, self._header_left)
+            self._header_left -= header
+            self.payload_bytes += sent - header
             _consume(self._buffers, sent)
 
 

@@ -1,16 +1,30 @@
-"""/metrics over real HTTP reflects a park, a fetch, a reap and a late-fetch rejection."""
+"""/metrics over real HTTP reflects a park, a fetch, a reap and a late-fetch rejection; sent
+bytes count what went out, not what was ready."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from conftest import FakeClock, MiB, fetch_all, park, running_producer, stub_for, wait_until
+import grpc
+import pytest
+from conftest import (
+    FakeClock,
+    MiB,
+    fetch_all,
+    park,
+    running_producer,
+    state_of,
+    stub_for,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 from kvpark.producer.metrics import ProducerMetrics
 
 
@@ -148,3 +162,41 @@ def test_documented_metric_names_exist() -> None:
         "kvpark_time_to_fetch_seconds_bucket",
     ]:
         assert f"\n{name}" in text, name
+
+
+@pytest.mark.parametrize("transport", [pb.TRANSPORT_GRPC, pb.TRANSPORT_TCP])
+async def test_a_consumer_cut_off_for_stalling_counts_only_what_went_out(transport: int) -> None:
+    """A Fetch's batch may be every ready chunk (on TCP, the whole id): a consumer that reads
+    nothing and is cut off for it is counted for the bytes the producer got out, not for 32
+    MiB it never sent; a whole Fetch counts its bytes exactly."""
+    chunks = {i: bytes([i]) * MiB for i in range(32)}
+    total = 32 * MiB
+    settings = {"fetch_stall_timeout_s": 0.5, "data_listen": "127.0.0.1:0", "max_chunk_bytes": MiB}
+    async with running_producer(**settings) as server, stub_for(server) as stub:
+        assert (await park(stub, "kv", chunks)).status == pb.STATUS_OK
+        request = pb.FetchRequest(kv_request_id="kv", accept_transports=[transport])
+        # A channel whose flow-control window stays small: a reader that reads nothing.
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 2 * MiB)]
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            call = pb_grpc.KVProducerStub(channel).Fetch(request)
+            data = None
+            if transport == pb.TRANSPORT_TCP:
+                offer = (await call.read()).data_offer
+                data = socket.socket()
+                data.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+                data.connect(("127.0.0.1", server.data_port))
+                data.sendall(offer.ticket)
+            await wait_until(lambda: server.lot.statistics().stalled_fetches_total == 1)
+            call.cancel()
+            if data is not None:
+                data.close()
+        stalled = server.metrics.sent_bytes
+        # Out before the stall: what a 64 KiB window passes on the stream (a gRPC batch is 4
+        # MiB); on TCP, what the two sockets' buffers took (the batch is all 32 MiB).
+        assert 0 <= stalled <= (2 * MiB if transport == pb.TRANSPORT_GRPC else total // 2), stalled
+        assert (await state_of(stub, "kv")).state == pb.STATE_PARKED
+        # The whole id now, on the gRPC stream: counted exactly.
+        done = (await fetch_all(stub, "kv"))[-1].done
+        assert done.status == pb.STATUS_OK and done.bytes_sent == total
+        assert server.metrics.sent_bytes - stalled == total
+        server.lot.check_invariants()
