@@ -36,7 +36,6 @@ from ._core import (
     FETCH_METHOD,
     ClientBase,
     ClientCore,
-    Policy,
     T,
     Transport,
     aread_info_before_lending,
@@ -50,7 +49,7 @@ from ._core import (
 )
 from ._errors import KVParkError, error_for, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
-from ._result import LoadReport, LoadResult
+from ._result import LoadReport, LoadResult, Policy
 from ._session import LoadSession, OnChunk, Step
 from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg

@@ -34,7 +34,7 @@ from ._channel import ChannelSettings
 from ._data_connections import DataConnections
 from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
 from ._models import IdStatus, ProducerInfo
-from ._result import LoadReport, LoadResult, Reason
+from ._result import POLICIES, LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
 from ._tcp import RETRY_AFTER_S, TURNED_AWAY_IN_A_ROW, Fallback, TcpReceiver
@@ -59,12 +59,10 @@ CONFIRM_FLUSH_S = 2.0
 CLIENT_CLOSED = "client closed"
 _UINT64_MAX = 2**64 - 1
 
-Policy = Literal["recompute", "fail"]
 # The `transport=` choices: "auto" takes the fastest the producer offers and this client can
 # use (shared memory on one host, then zero-copy TCP, then the gRPC stream).
 Transport = Literal["auto", "grpc", "tcp", "shm"]
 TRANSPORTS: tuple[Transport, ...] = ("auto", "grpc", "tcp", "shm")
-POLICIES: tuple[Policy, ...] = ("recompute", "fail")
 T = TypeVar("T")
 RecomputeFn = Callable[[int], T]
 

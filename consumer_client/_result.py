@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -27,6 +27,11 @@ import numpy.typing as npt
 from kvpark.pb import kvpark_pb2 as pb
 
 _PROTO_PREFIX = "REASON_"
+
+
+# What `load_or_recompute` does with a load that failed: recompute what is missing, or raise.
+Policy = Literal["recompute", "fail"]
+POLICIES: tuple[Policy, ...] = ("recompute", "fail")
 
 
 class Reason(enum.StrEnum):

@@ -38,7 +38,6 @@ from ._core import (
     FETCH_METHOD,
     ClientBase,
     ClientCore,
-    Policy,
     T,
     Transport,
     check_policy,
@@ -52,7 +51,7 @@ from ._core import (
 )
 from ._errors import ClientClosedError, KVParkError, error_from_rpc
 from ._models import IdStatus, ProducerInfo, ReleaseResult
-from ._result import LoadReport, LoadResult
+from ._result import LoadReport, LoadResult, Policy
 from ._session import LoadSession, OnChunk, Step
 from ._tcp import Fallback, TcpReceiver
 from ._timeouts import DEFAULT_TIMEOUT, USE_CLIENT_DEFAULT, Timeout, TimeoutArg

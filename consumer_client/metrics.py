@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from ._result import LoadResult
+from ._errors import UsageError
+from ._result import POLICIES, LoadResult
 
 # 1 ms (a warm shared-memory load) to a minute (a load timeout's far end).
 _SECONDS = (
@@ -31,11 +32,20 @@ class ConsumerMetrics:
     def __init__(
         self, registry: CollectorRegistry = REGISTRY, *, policy: str = "recompute"
     ) -> None:
+        if policy not in POLICIES:
+            raise UsageError(f"policy: expected 'recompute' or 'fail', got {policy!r}")
         r = registry
-        self.loads_total = Counter(
-            "kvpark_client_loads", "Loads by path, reason and failure policy",
-            ["path", "reason", "policy"], registry=r,
-        )  # fmt: skip
+        try:
+            self.loads_total = Counter(
+                "kvpark_client_loads", "Loads by path, reason and failure policy",
+                ["path", "reason", "policy"], registry=r,
+            )  # fmt: skip
+        except ValueError as exc:  # the first series of a second ConsumerMetrics
+            raise UsageError(
+                "this registry already holds a ConsumerMetrics: give every client and pool of "
+                "the worker the same one, or each its own registry= "
+                f"({exc})"
+            ) from None
         self.loaded_bytes_total = Counter(
             "kvpark_client_loaded_bytes", "Payload bytes loaded and verified", registry=r
         )

@@ -28,9 +28,9 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from ._async import AsyncKVConsumer
-from ._core import Policy, T
+from ._core import T
 from ._errors import ClientClosedError, UsageError
-from ._result import LoadReport, LoadResult
+from ._result import LoadReport, LoadResult, Policy
 from ._session import OnChunk
 from ._sync import KVConsumer
 from ._timeouts import USE_CLIENT_DEFAULT, TimeoutArg

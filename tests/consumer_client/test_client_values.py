@@ -9,6 +9,7 @@ import mmap
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 import kvpark.client as consumer_client
 from kvpark import wire
@@ -16,6 +17,7 @@ from kvpark.checksum import crc32c_of
 from kvpark.client import (
     AuthError,
     BufferTooSmallError,
+    ConsumerMetrics,
     KVConsumer,
     LoadPath,
     LoadResult,
@@ -455,3 +457,17 @@ def test_chunk_ids_outside_the_id_space_are_misuse(
 ) -> None:
     with KVConsumer("127.0.0.1:1") as consumer, pytest.raises(UsageError, match=message):
         consumer.load("x", chunk_ids=chunk_ids, num_chunks=num_chunks, timeout=0.01)
+
+
+def test_consumer_metrics_refuse_an_unknown_policy_and_a_second_registration() -> None:
+    """A typo in `policy` would be exported as the policy the worker runs with; a second
+    ConsumerMetrics in one registry would fail inside prometheus_client with no word of what to
+    do. Both are misuse, named."""
+    registry = CollectorRegistry()
+    with pytest.raises(UsageError, match="policy: expected 'recompute' or 'fail', got 'recompte'"):
+        ConsumerMetrics(registry, policy="recompte")
+    assert registry.get_sample_value("kvpark_client_failure_policy", {"policy": "recompte"}) is None
+    ConsumerMetrics(registry, policy="fail")
+    with pytest.raises(UsageError, match="already holds a ConsumerMetrics"):
+        ConsumerMetrics(registry)
+    assert registry.get_sample_value("kvpark_client_failure_policy", {"policy": "fail"}) == 1
