@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from grpc.experimental import ChannelOptions
 
+from kvpark.address import Address
+
 from ._errors import UsageError
 from ._guarded_channel import GuardedChannel
 
@@ -60,8 +62,9 @@ class ChannelSettings:
         interceptors: Sequence[Any],
         max_chunk_bytes: int,
     ) -> ChannelSettings:
-        if not isinstance(target, str) or not target:
-            raise UsageError(f"target: expected 'host:port', got {target!r}")
+        problem = target_problem(target)
+        if problem is not None:
+            raise UsageError(f"target: {problem}")
         if token is not None and (not isinstance(token, str) or not token or "\n" in token):
             raise UsageError("token: expected a non-empty one-line string")
         if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
@@ -133,3 +136,29 @@ class ChannelSettings:
         if self.credentials is not None:
             return grpc.aio.secure_channel(self.target, self.credentials, **kwargs)
         return grpc.aio.insecure_channel(self.target, **kwargs)
+
+
+# gRPC's own target schemes: a target that starts with one goes to gRPC as it is.
+_GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p")
+_EXPECTED_TARGET = "expected 'host:port' or a gRPC target such as 'dns:///host:port' or 'unix:PATH'"
+
+
+def target_problem(target: object) -> str | None:
+    """What is wrong with a client's `target`, or None. Anything but a gRPC URI must be a
+    dialable host:port: gRPC itself would take "localhost" as port 443, a stray space as part
+    of the name, and "http://host:port" as a name, and each load would then fail UNAVAILABLE
+    as if the producer were down."""
+    if not isinstance(target, str) or not target:
+        return f"{_EXPECTED_TARGET}, got {target!r}"
+    scheme, colon, _ = target.partition(":")
+    if colon and scheme.lower() in _GRPC_SCHEMES:
+        return None
+    if target != target.strip():
+        return f"{target!r} has spaces around it"
+    try:
+        address = Address.parse(target)
+    except ValueError:
+        return f"{_EXPECTED_TARGET}, got {target!r}"
+    if address.port == 0:
+        return f"{target!r}: port 0 cannot be dialed"
+    return None

@@ -471,3 +471,28 @@ def test_consumer_metrics_refuse_an_unknown_policy_and_a_second_registration() -
     with pytest.raises(UsageError, match="already holds a ConsumerMetrics"):
         ConsumerMetrics(registry)
     assert registry.get_sample_value("kvpark_client_failure_policy", {"policy": "fail"}) == 1
+
+
+@pytest.mark.parametrize(
+    "target, problem",
+    [
+        ("localhost", "expected 'host:port'"),  # gRPC would dial port 443
+        ("127.0.0.1:0", "port 0 cannot be dialed"),
+        (" producer:50051", "spaces around it"),
+        ("http://producer:50051", "expected 'host:port'"),  # gRPC would take it for a name
+        ("", "expected 'host:port'"),
+    ],
+)
+def test_a_target_that_cannot_reach_a_producer_is_misuse(target: str, problem: str) -> None:
+    """Each of these would make every load fail UNAVAILABLE as if the producer were down."""
+    for client in (KVConsumer, consumer_client.KVParker, consumer_client.AsyncKVConsumer):
+        with pytest.raises(UsageError, match=f"target: .*{problem}"):
+            client(target)
+
+
+@pytest.mark.parametrize(
+    "target", ["producer:50051", "[::1]:50051", "dns:///producer:50051", "unix:/run/kv.sock"]
+)
+def test_host_port_and_grpc_targets_are_taken(target: str) -> None:
+    KVConsumer(target).close()
+    consumer_client.KVParker(target).close()
