@@ -213,6 +213,16 @@ class ChunkBuffers:
             self.capacity = sum(len(p) for parts in self._checked for p in parts)
         self.nbytes = 0
 
+    def check_count(self, chunk_ids: Sequence[int] | None) -> None:
+        """Refuses, before anything moves, a load of more chunks than the sequence has
+        destinations: it could only end in BufferTooSmallError after the first ones landed."""
+        sequence = self._sequence
+        if sequence is not None and chunk_ids is not None and len(chunk_ids) > len(sequence):
+            raise UsageError(
+                f"into has {len(sequence)} chunk destinations for {len(chunk_ids)} chunks: "
+                "one per chunk"
+            )
+
     def parts_for(self, index: int, chunk_id: int, nbytes: int) -> list[memoryview]:
         """The chunk's destination, asked of the sequence or the callable: one buffer trimmed
         to `nbytes`, or several that `nbytes` fills exactly."""

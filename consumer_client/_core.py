@@ -29,7 +29,7 @@ from kvpark.ids import MAX_CHUNKS, check_id
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import FETCH_ROLE
 
-from ._buffers import Destination, IntoBuffer, destination_for
+from ._buffers import ChunkBuffers, Destination, IntoBuffer, destination_for
 from ._channel import ChannelSettings
 from ._data_connections import DataConnections
 from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
@@ -292,6 +292,8 @@ class ClientCore:
         load_timeout = resolve(timeout, self.timeout)
         self.check_timeout(load_timeout)
         destination = destination_for(into)
+        if isinstance(destination, ChunkBuffers):
+            destination.check_count(ids)
         limit = load_timeout.first_limit_s()
         shm = self._shm_target(
             into, destination, None if limit is None else limit * OUT_OF_BAND_SHARE

@@ -12,7 +12,14 @@ import numpy.typing as npt
 import pytest
 from conftest import running_producer
 
-from kvpark import AsyncKVConsumer, AsyncKVParker, BufferTooSmallError, Timeout, UsageError
+from kvpark import (
+    AsyncKVConsumer,
+    AsyncKVParker,
+    BufferTooSmallError,
+    State,
+    Timeout,
+    UsageError,
+)
 from kvpark.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=np.float16, tokens_per_chunk=16)
@@ -94,3 +101,20 @@ async def test_destinations_that_share_memory_are_refused_before_anything_moves(
         server.lot.check_invariants()
     assert result.ok, result
     assert pair.tobytes() == b"a" * 64 + b"b" * 64 and other.tobytes() == b"c" * 64
+
+
+async def test_fewer_destinations_than_chunks_asked_is_refused_before_anything_moves() -> None:
+    """Two destinations for four chunks could only end in BufferTooSmallError after two had
+    landed, with the id delivered and unconfirmed; it is refused first, the id kept PARKED."""
+    first, second = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    async with running_producer() as server:
+        async with AsyncKVParker(server.target) as parker:
+            assert (await parker.park("kv", [bytes([i + 1]) * 64 for i in range(4)])).ok
+        async with AsyncKVConsumer(server.target, timeout=Timeout(10)) as consumer:
+            for ask in ({"num_chunks": 4}, {"chunk_ids": [0, 1, 3]}):
+                with pytest.raises(UsageError, match="2 chunk destinations for"):
+                    await consumer.load("kv", into=[first, second], **ask)
+            assert not first.any() and not second.any()
+            [status] = await consumer.lookup(["kv"])
+            assert status.state is State.PARKED, status
+        server.lot.check_invariants()
