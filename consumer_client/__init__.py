@@ -42,6 +42,8 @@ through:
 
 from __future__ import annotations
 
+from kvpark.fingerprints import fingerprint
+
 from ._async import AsyncKVConsumer
 from ._core import TimeoutConfigWarning
 from ._errors import (
@@ -108,4 +110,5 @@ __all__ = [
     "TransportError",
     "UsageError",
     "classify_status",
+    "fingerprint",
 ]

@@ -342,6 +342,7 @@ class AsyncKVConsumer(ClientBase):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         confirm: bool | None = None,
     ) -> LoadResult:
         """Loads an id's chunks (all of them, `num_chunks` = 0..N-1, or `chunk_ids` in that
@@ -366,6 +367,7 @@ class AsyncKVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            fingerprint=fingerprint,
             started=started,  # the read above and a wait for a thread are part of the load
         )
         session = await self._begun(begin)
@@ -511,6 +513,7 @@ class AsyncKVConsumer(ClientBase):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         confirm: bool | None = None,
     ) -> LoadReport[T]:
         """`load`, then, when it failed: with `policy="recompute"` (the default),
@@ -532,6 +535,7 @@ class AsyncKVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            fingerprint=fingerprint,
             policy=policy,
             started=started,  # the read above and a wait for a thread are part of the load
         )

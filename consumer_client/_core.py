@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
+from kvpark.fingerprints import fingerprint_problem
 from kvpark.ids import MAX_CHUNKS, check_id
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import FETCH_ROLE
@@ -272,6 +273,7 @@ class ClientCore:
         timeout: TimeoutArg,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
+        fingerprint: bytes | None = None,
         policy: str = NO_POLICY,
         started: float | None = None,
     ) -> LoadSession:
@@ -289,6 +291,8 @@ class ClientCore:
         wait = _seconds("wait_timeout_s", wait_timeout_s)
         if on_chunk is not None and not callable(on_chunk):
             raise UsageError("on_chunk: expected a callable")
+        if fingerprint is not None and (problem := fingerprint_problem(fingerprint)):
+            raise UsageError(f"fingerprint: {problem}")
         load_timeout = resolve(timeout, self.timeout)
         self.check_timeout(load_timeout)
         destination = destination_for(into)
@@ -307,6 +311,7 @@ class ClientCore:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait,
             on_chunk=on_chunk,
+            fingerprint=bytes(fingerprint or b""),
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
             clock=time.monotonic,

@@ -23,6 +23,7 @@ import grpc
 
 from kvpark import wire
 from kvpark.checksum import crc32c_of
+from kvpark.fingerprints import fingerprint_problem
 from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
 
@@ -182,6 +183,15 @@ def check_total(total_chunks: int | None) -> int:
     return total_chunks
 
 
+def check_fingerprint(fingerprint: bytes | None) -> bytes:
+    if fingerprint is None:
+        return b""
+    problem = fingerprint_problem(fingerprint)
+    if problem is not None:
+        raise UsageError(f"fingerprint: {problem}")
+    return bytes(fingerprint)
+
+
 def check_batch_bytes(batch_bytes: int) -> int:
     if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
         raise UsageError(f"batch_bytes: expected an int >= 0, got {batch_bytes!r}")
@@ -193,12 +203,18 @@ class ParkFrames:
     header names a buffer this client lent, and chunks in it go as ChunkRefs."""
 
     def __init__(
-        self, kv_request_id: str, total_chunks: int, batch_bytes: int, lend_id: str = ""
+        self,
+        kv_request_id: str,
+        total_chunks: int,
+        batch_bytes: int,
+        lend_id: str = "",
+        fingerprint: bytes = b"",
     ) -> None:
         self.kv_request_id = kv_request_id
         self.total_chunks = total_chunks
         self.batch_bytes = batch_bytes
         self.lend_id = lend_id
+        self.fingerprint = fingerprint
         self.chunks = 0
         self.nbytes = 0
 
@@ -209,6 +225,7 @@ class ParkFrames:
             total_chunks=self.total_chunks,
             batch_bytes=self.batch_bytes,
             shm_lend_id=self.lend_id,
+            fingerprint=self.fingerprint,
         )
         return pb.ParkRequest(header=header).SerializeToString()
 

@@ -206,7 +206,9 @@ class BatchRoute:
         """The frames of a new call that sends every chunk put so far inline (after
         `forget_lend`)."""
         old = self.frames
-        self.frames = ParkFrames(old.kv_request_id, old.total_chunks, old.batch_bytes)
+        self.frames = ParkFrames(
+            old.kv_request_id, old.total_chunks, old.batch_bytes, fingerprint=old.fingerprint
+        )
         self._lent = None
         self._group, self._group_crcs, self._group_bytes = [], [], 0
         # Each with the CRC32C taken at its `put`: bytes the caller changed since (which a put

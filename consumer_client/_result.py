@@ -54,6 +54,8 @@ class Reason(enum.StrEnum):
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     NOT_COMMITTED = "NOT_COMMITTED"
     COMMIT_MISMATCH = "COMMIT_MISMATCH"
+    # The id's KV was computed from something else than the load's `fingerprint` names.
+    FINGERPRINT_MISMATCH = "FINGERPRINT_MISMATCH"
 
     # --- the client's own reasons ------------------------------------------------------------
     # The load timeout (total, first-chunk or size-scaled) fired; the RPC was cancelled.

@@ -91,6 +91,7 @@ class LoadSession:
         expected_epoch: int,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
+        fingerprint: bytes = b"",
         accept: Sequence[pb.Transport] = (),
         shm: ShmTarget | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -106,7 +107,9 @@ class LoadSession:
         self.tcp_probe: float | None = None
         # Why the data connection ended before its end frame, when it did.
         self._data_broke = ""
-        self._args = (chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk)
+        self._args = (
+            chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk, fingerprint
+        )  # fmt: skip
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
         self._dest = destination
@@ -123,6 +126,7 @@ class LoadSession:
             chunk_ids=chunk_ids or (),
             expected_epoch=expected_epoch,
             wait_timeout_s=wait_timeout_s,
+            expected_fingerprint=fingerprint,
             accept_transports=accept,
             reuse_data_connection=pb.TRANSPORT_TCP in accept,
             shm_lend_id=shm.lend_id if shm else "",
@@ -148,7 +152,9 @@ class LoadSession:
     def over_grpc(self) -> LoadSession:
         """The same load over the gRPC stream, after an out-of-band path failed before its
         first byte: nothing was placed yet, and the time already spent still counts."""
-        chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk = self._args
+        chunk_ids, destination, timeout, expected_epoch, wait_timeout_s, on_chunk, fingerprint = (
+            self._args
+        )
         session = LoadSession(
             kv_request_id=self.kv_request_id,
             chunk_ids=chunk_ids,
@@ -157,6 +163,7 @@ class LoadSession:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            fingerprint=fingerprint,
             clock=self._clock,
         )
         session.started = self.started

@@ -308,6 +308,7 @@ class KVConsumer(ClientBase):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         confirm: bool | None = None,
     ) -> LoadResult:
         """Loads an id's chunks (all of them, `num_chunks` = 0..N-1, or `chunk_ids` in that
@@ -326,6 +327,7 @@ class KVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            fingerprint=fingerprint,
             started=started,
         )
         return self._run(session, confirm)
@@ -453,6 +455,7 @@ class KVConsumer(ClientBase):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         confirm: bool | None = None,
     ) -> LoadReport[T]:
         """`load`, then, when it failed: with `policy="recompute"` (the default),
@@ -470,6 +473,7 @@ class KVConsumer(ClientBase):
             timeout=timeout,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            fingerprint=fingerprint,
             policy=policy,
             started=started,
         )

@@ -65,6 +65,7 @@ from ._park import (
     ShmPlan,
     batch_frames,
     check_batch_bytes,
+    check_fingerprint,
     check_total,
     monotonic,
     plan_shm,
@@ -203,6 +204,7 @@ class KVParker(ClientBase):
         chunks: Chunks,
         *,
         total_chunks: int | None = None,
+        fingerprint: bytes | None = None,
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> ParkResult:
         """Parks every chunk of one batch. `total_chunks`: the id's total when this batch is
@@ -210,6 +212,7 @@ class KVParker(ClientBase):
         POOL_FULL is retried after the producer's `retry_after_s` while `timeout` allows."""
         kid = valid_id(kv_request_id)
         total = check_total(total_chunks)
+        fp = check_fingerprint(fingerprint)
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
@@ -217,7 +220,7 @@ class KVParker(ClientBase):
         plan = plan_shm(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
-                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
+                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "", fp)
                 result = self._call(outcome, iter(batch_frames(frames, prepared, plan)), plan)
                 if plan is not None and lend_refused(result.grpc_code, result.detail):
                     self._core.shm.forget_refused(plan.lend_id)  # the next park lends it anew
@@ -259,13 +262,19 @@ class KVParker(ClientBase):
         *,
         total_chunks: int | None = None,
         batch_bytes: int = 0,
+        fingerprint: bytes | None = None,
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> ParkBatch:
         """A batch to fill chunk by chunk (`put`), committed when its block ends cleanly and
         undone when it ends with an exception. `batch_bytes` > 0 reserves that much of the
         pool before the first chunk."""
         kid = valid_id(kv_request_id)
-        frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
+        frames = ParkFrames(
+            kid,
+            check_total(total_chunks),
+            check_batch_bytes(batch_bytes),
+            fingerprint=check_fingerprint(fingerprint),
+        )
         outcome = _outcome(self._core, kid, timeout)
         read_info_before_lending(self._core, self.server_info, timeout)
         shm = self._core.shm if self._core.uses_shm else None
@@ -530,11 +539,13 @@ class AsyncKVParker(ClientBase):
         chunks: Chunks,
         *,
         total_chunks: int | None = None,
+        fingerprint: bytes | None = None,
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> ParkResult:
         """As `KVParker.park`."""
         kid = valid_id(kv_request_id)
         total = check_total(total_chunks)
+        fp = check_fingerprint(fingerprint)
         prepared = prepare_all(chunks)
         size = sum(c.nbytes for c in prepared)
         outcome = _outcome(self._core, kid, timeout)
@@ -542,7 +553,7 @@ class AsyncKVParker(ClientBase):
         plan = await _planned(self._core.shm, prepared, outcome) if self._core.uses_shm else None
         try:
             while True:
-                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "")
+                frames = ParkFrames(kid, total, size, plan.lend_id if plan else "", fp)
 
                 async def requests(
                     frames: ParkFrames = frames, plan: ShmPlan | None = plan
@@ -591,11 +602,17 @@ class AsyncKVParker(ClientBase):
         *,
         total_chunks: int | None = None,
         batch_bytes: int = 0,
+        fingerprint: bytes | None = None,
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> AsyncParkBatch:
         """As `KVParker.batch`, for `async with`."""
         kid = valid_id(kv_request_id)
-        frames = ParkFrames(kid, check_total(total_chunks), check_batch_bytes(batch_bytes))
+        frames = ParkFrames(
+            kid,
+            check_total(total_chunks),
+            check_batch_bytes(batch_bytes),
+            fingerprint=check_fingerprint(fingerprint),
+        )
         outcome = _outcome(self._core, kid, timeout)
         shm = self._core.shm if self._core.uses_shm else None
         route = BatchRoute(frames, shm, outcome, can_lend=not self._core.lends_blind())

@@ -194,6 +194,7 @@ class ConsumerPool(_Pool[KVConsumer]):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         chunk_ids: Iterable[int] | None = None,
     ) -> LoadResult:
         """Loads the KV a handle names (all its chunks, or `chunk_ids`) from its producer."""
@@ -207,6 +208,7 @@ class ConsumerPool(_Pool[KVConsumer]):
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
+                fingerprint=fingerprint,
             )
         finally:
             self._release(entry)
@@ -221,6 +223,7 @@ class ConsumerPool(_Pool[KVConsumer]):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
     ) -> LoadReport[T]:
         """`KVConsumer.load_or_recompute` for the request a handle names."""
         h = KVHandle.coerce(handle)
@@ -235,6 +238,7 @@ class ConsumerPool(_Pool[KVConsumer]):
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
+                fingerprint=fingerprint,
             )
         finally:
             self._release(entry)
@@ -301,6 +305,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
         chunk_ids: Iterable[int] | None = None,
     ) -> LoadResult:
         """As `ConsumerPool.load`."""
@@ -314,6 +319,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
+                fingerprint=fingerprint,
             )
         finally:
             self._release(entry)
@@ -328,6 +334,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
         wait_timeout_s: float = 0.0,
         on_chunk: OnChunk | None = None,
+        fingerprint: bytes | None = None,
     ) -> LoadReport[T]:
         """As `ConsumerPool.load_or_recompute`."""
         h = KVHandle.coerce(handle)
@@ -342,6 +349,7 @@ class AsyncConsumerPool(_Pool[AsyncKVConsumer]):
                 timeout=timeout,
                 wait_timeout_s=wait_timeout_s,
                 on_chunk=on_chunk,
+                fingerprint=fingerprint,
             )
         finally:
             self._release(entry)

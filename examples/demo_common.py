@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 from reference_model import ReferenceModel
 
-from kvpark import ProducerInfo
+from kvpark import ProducerInfo, fingerprint
 
 # The requests the demo walks through, in the order the table prints them, and the length of
 # each one's prompt (64-token chunks: most end in a partial chunk).
@@ -109,6 +109,14 @@ class Settings:
 def demo_model() -> ReferenceModel:
     """The model both workers run: same seed, same weights, so the same KV for a prompt."""
     return ReferenceModel(seed=MODEL_SEED)
+
+
+def kv_fingerprint(model: ReferenceModel, tokens: npt.NDArray[np.int64]) -> bytes:
+    """What both workers name a prompt's KV by: the model (its weights' seed and its sizes) and
+    the prompt's tokens. The producer hands the KV only to a load that names the same, so a
+    decode worker running another model, or another prompt under the same id, recomputes
+    instead of decoding from KV that is not its own (docs/protocol.md, Fingerprints)."""
+    return fingerprint("kvpark-reference-model", tokens, f"seed={MODEL_SEED}", repr(model.config))
 
 
 def prompt(name: str, vocab_size: int) -> npt.NDArray[np.int64]:

@@ -55,6 +55,7 @@ from demo_common import (
     NAMES,
     Settings,
     demo_model,
+    kv_fingerprint,
     offered_transports,
     partial_prefix,
     prompt,
@@ -157,6 +158,7 @@ def take_over(
         into=layout.destination(kv),
         expected_epoch=epoch,
         wait_timeout_s=chunk_wait_s,
+        fingerprint=kv_fingerprint(model, tokens),
         recompute=prefill_from,
     )
     if report.recomputed_from is None:

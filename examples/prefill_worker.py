@@ -46,6 +46,7 @@ import numpy.typing as npt
 from demo_common import (
     Settings,
     demo_model,
+    kv_fingerprint,
     offered_transports,
     partial_prefix,
     prompt,
@@ -128,6 +129,7 @@ def park_streamed(
     """Prefills and parks at once: each chunk leaves while the next one is computed."""
     kv = SharedKV(parker, model.layout, len(tokens))
     total = model.layout.num_chunks(len(tokens))
+    named = kv_fingerprint(model, tokens)
     parks: list[Future[ParkResult]] = []
     # One sender thread: chunks are parked in order, and the model (numpy releases the GIL in
     # its matrix products) computes the next chunk meanwhile.
@@ -137,7 +139,9 @@ def park_streamed(
             # The chunk is final in the cache (later steps never write it again), so the
             # producer may copy it while the model goes on.
             chunk = {chunk_id: kv.chunk(chunk_id)}
-            parks.append(sender.submit(parker.park, kid, chunk, total_chunks=total))
+            parks.append(
+                sender.submit(parker.park, kid, chunk, total_chunks=total, fingerprint=named)
+            )
 
         model.prefill(tokens, kv.cache, on_chunk=on_chunk)
         return [park.result() for park in parks]
@@ -153,14 +157,15 @@ def park_prefix_then_preempted(
     total = layout.num_chunks(len(tokens))
     prefix = partial_prefix(total)
     # total_chunks tells the producer (and a Lookup) how many chunks the id will have.
-    first = parker.park(kid, kv.chunks(range(prefix)), total_chunks=total)
+    named = kv_fingerprint(model, tokens)
+    first = parker.park(kid, kv.chunks(range(prefix)), total_chunks=total, fingerprint=named)
     if not first.ok:
         return [first]
     try:
         # A streamed batch (`parker.batch`) sends each chunk as it is put: one in the parker's
         # shared buffer (the chunks here, on Linux) goes by reference, the producer copying it
         # from that buffer; any other goes inline over the gRPC stream.
-        with parker.batch(kid, total_chunks=total) as rest:
+        with parker.batch(kid, total_chunks=total, fingerprint=named) as rest:
             rest.put(prefix, kv.chunk(prefix))
             # An exception inside the block: no commit is sent, the call is cancelled, and the
             # producer drops what this batch sent.
@@ -177,7 +182,8 @@ def park_whole(
     layout = model.layout
     kv = SharedKV(parker, layout, len(tokens))
     model.prefill(tokens, kv.cache)
-    return [parker.park(kid, kv.chunks(range(layout.num_chunks(len(tokens)))))]
+    chunks = kv.chunks(range(layout.num_chunks(len(tokens))))
+    return [parker.park(kid, chunks, fingerprint=kv_fingerprint(model, tokens))]
 
 
 Park = Callable[[KVParker, ReferenceModel, str, npt.NDArray[np.int64]], list[ParkResult]]

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvpark.checksum import crc32c_of
+from kvpark.fingerprints import shown as shown_fingerprint
 from kvpark.ids import MAX_CHUNKS
 from kvpark.pb import kvpark_pb2 as pb
 
@@ -85,6 +86,7 @@ CHUNK_CONFLICT = pb.REASON_CHUNK_CONFLICT
 CHECKSUM_MISMATCH = pb.REASON_CHECKSUM_MISMATCH
 NOT_COMMITTED = pb.REASON_NOT_COMMITTED
 COMMIT_MISMATCH = pb.REASON_COMMIT_MISMATCH
+FINGERPRINT_MISMATCH = pb.REASON_FINGERPRINT_MISMATCH
 
 # Compaction threshold: stale timer items beyond live ids plus this slack trigger a rebuild.
 _HEAP_SLACK = 1024
@@ -152,6 +154,9 @@ class _Entry:
     chunks: dict[int, _Stored] = field(default_factory=dict)
     total_chunks: int = 0
     nbytes: int = 0
+    # What the KV was computed from (ParkHeader.fingerprint), fixed by the first commit; None
+    # until then.
+    fingerprint: bytes | None = None
     # First commit: the lease starts here; None while nothing was committed.
     committed_at: float | None = None
     # The id's one timer: its lease while PARKED, its delivery grace while DELIVERED.
@@ -176,6 +181,7 @@ class ParkBatch:
     entry: _Entry
     reservation: Reservation | None
     last_activity: float
+    fingerprint: bytes = b""
     pending: dict[int, _Stored] = field(default_factory=dict)
     # Every Chunk message counts, repeats included: the commit must name the same counts.
     chunks_received: int = 0
@@ -207,6 +213,8 @@ class FetchBinding:
     time_to_fetch_s: float | None
     # True when the id was DELIVERED before and is being sent again.
     redelivery: bool = False
+    # The fingerprint the consumer expects; empty: no check.
+    expected_fingerprint: bytes = b""
     cursor: int = 0
     chunks_sent: int = 0
     bytes_sent: int = 0
@@ -354,7 +362,7 @@ class Lot:
 
     # =================================================================================== Park
     def begin_park(
-        self, kv_request_id: str, total_chunks: int, batch_bytes: int
+        self, kv_request_id: str, total_chunks: int, batch_bytes: int, fingerprint: bytes = b""
     ) -> ParkBatch | Refusal:
         """Opens a batch for `kv_request_id`, or refuses it at once."""
         now = self.clock()
@@ -369,6 +377,12 @@ class Lot:
             return Refusal(ALREADY_CONSUMED, "the id was delivered; it takes no more chunks")
         if batch_bytes > self.max_batch_bytes:
             return Refusal(TOO_LARGE, self._too_large_detail(batch_bytes))
+        if entry is not None:
+            mismatch = _fingerprint_mismatch(
+                "the id's", entry.fingerprint, "this batch's", fingerprint
+            )
+            if mismatch:
+                return Refusal(FINGERPRINT_MISMATCH, mismatch)
         if entry is not None and total_chunks:
             conflict = self._total_conflict(entry, total_chunks)
             if conflict:
@@ -387,7 +401,7 @@ class Lot:
             self._entries[kv_request_id] = entry
         if total_chunks:
             self._set_total(entry, total_chunks)
-        batch = ParkBatch(entry, reservation, last_activity=now)
+        batch = ParkBatch(entry, reservation, last_activity=now, fingerprint=fingerprint)
         entry.open_batches.append(batch)
         self._open_batches[batch] = None
         return batch
@@ -560,6 +574,8 @@ class Lot:
             self._parked_bytes += nbytes_chunk
             self.parked_bytes_total += nbytes_chunk
         batch.pending.clear()
+        if entry.fingerprint is None:
+            entry.fingerprint = batch.fingerprint
         if not entry.total_chunks and entry.chunks:
             self._set_total(entry, max(entry.chunks) + 1)
         self._close_batch(batch)
@@ -590,6 +606,12 @@ class Lot:
         """What stops this batch from being committed as it is, checked before anything moves
         so that a commit is all-or-nothing."""
         entry = batch.entry
+        # Another batch may have been committed since this one's header was taken.
+        mismatch = _fingerprint_mismatch(
+            "the id's", entry.fingerprint, "this batch's", batch.fingerprint
+        )
+        if mismatch:
+            return Refusal(FINGERPRINT_MISMATCH, mismatch)
         for chunk_id, stored in batch.pending.items():
             other = entry.chunks.get(chunk_id)
             if other is not None and not (
@@ -742,8 +764,10 @@ class Lot:
         expected_epoch: int,
         wait_timeout_s: float,
         notify: Notify,
+        expected_fingerprint: bytes = b"",
     ) -> FetchBinding | Refusal:
-        """Attaches a Fetch, or refuses it at once. Raises MalformedRequest for bad chunk_ids."""
+        """Attaches a Fetch, or refuses it at once. Raises MalformedRequest for bad chunk_ids.
+        With `expected_fingerprint`, an id parked with another is refused, untouched."""
         now = self.clock()
         if expected_epoch and expected_epoch != self.epoch:
             return Refusal(
@@ -760,6 +784,12 @@ class Lot:
         if requested is not None and len(set(requested)) != len(requested):
             raise MalformedRequest("chunk_ids repeats a chunk")
         entry = self._entries.get(kv_request_id)
+        if entry is not None and expected_fingerprint:
+            mismatch = _fingerprint_mismatch(
+                "parked", entry.fingerprint, "expected", expected_fingerprint
+            )
+            if mismatch:
+                return Refusal(FINGERPRINT_MISMATCH, mismatch)
         if entry is not None and entry.binding is not None:
             return Refusal(ALREADY_BOUND, "another Fetch is attached to this id")
         total = entry.total_chunks if entry is not None else 0
@@ -773,7 +803,9 @@ class Lot:
             wait = min(wait, wait_timeout_s)
         ttf = None if entry.committed_at is None else now - entry.committed_at
         redelivery = bool(entry.delivery_id)
-        binding = FetchBinding(entry, requested, wait, now + wait, notify, now, ttf, redelivery)
+        binding = FetchBinding(
+            entry, requested, wait, now + wait, notify, now, ttf, redelivery, expected_fingerprint
+        )
         self._attach(entry, binding)
         return binding
 
@@ -785,6 +817,13 @@ class Lot:
                 binding, binding.failed or Refusal(pb.REASON_UNSPECIFIED, "fetch detached")
             )
         entry = binding.entry
+        if binding.expected_fingerprint and not binding.chunks_sent:
+            # Bound before the first commit, which fixed another fingerprint: nothing was sent.
+            mismatch = _fingerprint_mismatch(
+                "parked", entry.fingerprint, "expected", binding.expected_fingerprint
+            )
+            if mismatch:
+                return self._end(binding, Refusal(FINGERPRINT_MISMATCH, mismatch))
         if binding.requested is not None:
             order_len = len(binding.requested)
             next_id = binding.requested[binding.cursor] if binding.cursor < order_len else None
@@ -1253,3 +1292,14 @@ def _out_of_range(chunk_id: int, total: int) -> str:
     none known yet, so only the id space bounds it)."""
     why = f"total_chunks is {total}" if total else f"chunk ids stop at {MAX_CHUNKS - 1}"
     return f"chunk_id {chunk_id} out of range: {why}"
+
+
+def _fingerprint_mismatch(held_as: str, held: bytes | None, given_as: str, given: bytes) -> str:
+    """Why fingerprint `given` does not match the one an id holds (`held`; None: not fixed
+    yet, so anything matches), or "" when it does."""
+    if held is None or held == given:
+        return ""
+    return (
+        f"fingerprint mismatch: {held_as} is {shown_fingerprint(held)}, "
+        f"{given_as} is {shown_fingerprint(given)}"
+    )

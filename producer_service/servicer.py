@@ -25,6 +25,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from kvpark import wire
+from kvpark.fingerprints import fingerprint_problem
 from kvpark.ids import id_problem, printable_id
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import LEND_ENDED, LEND_UNKNOWN
@@ -128,8 +129,9 @@ class KVProducerServicer:
         if not isinstance(header, pb.ParkHeader):
             await _invalid(context, "the first Park message must be a ParkHeader")
         kid = await _valid_id(context, header.kv_request_id)
+        fingerprint = await _valid_fingerprint(context, "fingerprint", header.fingerprint)
         lent = await self._lent_for_park(header, context)
-        opened = self._lot.begin_park(kid, header.total_chunks, header.batch_bytes)
+        opened = self._lot.begin_park(kid, header.total_chunks, header.batch_bytes, fingerprint)
         if isinstance(opened, Refusal):
             if opened.late:
                 self._warn_late("late_park", kid, opened, context)
@@ -276,12 +278,15 @@ class KVProducerServicer:
             await _invalid(
                 context, f"{len(request.chunk_ids)} chunk_ids, more than the pool can hold ({most})"
             )
+        expected = await _valid_fingerprint(
+            context, "expected_fingerprint", request.expected_fingerprint
+        )
         transport = self._pick_transport(request)
         lent = await self._lent_for_fetch(request, context) if transport == SHM else None
         wakeup = asyncio.Event()
         try:
             bound = self._lot.bind_fetch(
-                kid, request.chunk_ids, request.expected_epoch, wait_s, wakeup.set
+                kid, request.chunk_ids, request.expected_epoch, wait_s, wakeup.set, expected
             )
         except MalformedRequest as exc:
             await _invalid(context, str(exc))
@@ -610,6 +615,13 @@ async def _valid_id(context: Any, kid: str) -> str:
     if problem is not None:
         await _invalid(context, problem)
     return kid
+
+
+async def _valid_fingerprint(context: Any, field_name: str, value: bytes) -> bytes:
+    problem = fingerprint_problem(value)
+    if problem is not None:
+        await _invalid(context, f"{field_name}: {problem}")
+    return value
 
 
 async def _valid_ids(context: Any, raw_ids: Any) -> list[str]:

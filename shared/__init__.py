@@ -43,6 +43,7 @@ from .client import (
     Timeout,
     TransportError,
     UsageError,
+    fingerprint,
 )
 from .version import __version__
 
@@ -77,4 +78,5 @@ __all__ = [
     "TransportError",
     "UsageError",
     "__version__",
+    "fingerprint",
 ]

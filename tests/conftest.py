@@ -124,16 +124,16 @@ def park_requests(
     batch_bytes: int = 0,
     crc: bool = True,
     commit: bool = True,
+    fingerprint: bytes = b"",
 ) -> list[pb.ParkRequest]:
     """One Park batch with plain generated messages: header, chunks, and (unless `commit` is
     False) the ParkCommit that names what was sent."""
     from kvpark.checksum import crc32c_of
 
-    msgs = [
-        pb.ParkRequest(
-            header=pb.ParkHeader(kv_request_id=kid, total_chunks=total, batch_bytes=batch_bytes)
-        )
-    ]
+    header = pb.ParkHeader(
+        kv_request_id=kid, total_chunks=total, batch_bytes=batch_bytes, fingerprint=fingerprint
+    )
+    msgs = [pb.ParkRequest(header=header)]
     for cid, data in chunks.items():
         msgs.append(
             pb.ParkRequest(

@@ -47,6 +47,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_CHECKSUM_MISMATCH: _ClassVar[FailureReason]
     REASON_NOT_COMMITTED: _ClassVar[FailureReason]
     REASON_COMMIT_MISMATCH: _ClassVar[FailureReason]
+    REASON_FINGERPRINT_MISMATCH: _ClassVar[FailureReason]
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_FAILED: Status
@@ -76,6 +77,7 @@ REASON_CHUNK_CONFLICT: FailureReason
 REASON_CHECKSUM_MISMATCH: FailureReason
 REASON_NOT_COMMITTED: FailureReason
 REASON_COMMIT_MISMATCH: FailureReason
+REASON_FINGERPRINT_MISMATCH: FailureReason
 
 class Chunk(_message.Message):
     __slots__ = ("chunk_id", "crc32c", "data")
@@ -88,16 +90,18 @@ class Chunk(_message.Message):
     def __init__(self, chunk_id: _Optional[int] = ..., crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("kv_request_id", "total_chunks", "batch_bytes", "shm_lend_id")
+    __slots__ = ("kv_request_id", "total_chunks", "batch_bytes", "shm_lend_id", "fingerprint")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_LEND_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     total_chunks: int
     batch_bytes: int
     shm_lend_id: str
-    def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ..., shm_lend_id: _Optional[str] = ...) -> None: ...
+    fingerprint: bytes
+    def __init__(self, kv_request_id: _Optional[str] = ..., total_chunks: _Optional[int] = ..., batch_bytes: _Optional[int] = ..., shm_lend_id: _Optional[str] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class ChunkRef(_message.Message):
     __slots__ = ("chunk_id", "crc32c", "offset", "nbytes")
@@ -164,7 +168,7 @@ class ParkResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., detail: _Optional[str] = ..., chunks_parked: _Optional[int] = ..., producer_epoch: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., bytes_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., advertise_address: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length", "reuse_data_connection")
+    __slots__ = ("kv_request_id", "chunk_ids", "expected_epoch", "wait_timeout_s", "accept_transports", "shm_lend_id", "shm_offset", "shm_length", "reuse_data_connection", "expected_fingerprint")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +178,7 @@ class FetchRequest(_message.Message):
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REUSE_DATA_CONNECTION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     chunk_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_epoch: int
@@ -183,7 +188,8 @@ class FetchRequest(_message.Message):
     shm_offset: int
     shm_length: int
     reuse_data_connection: bool
-    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., accept_transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_lend_id: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., reuse_data_connection: _Optional[bool] = ...) -> None: ...
+    expected_fingerprint: bytes
+    def __init__(self, kv_request_id: _Optional[str] = ..., chunk_ids: _Optional[_Iterable[int]] = ..., expected_epoch: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., accept_transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_lend_id: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., reuse_data_connection: _Optional[bool] = ..., expected_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("chunk", "done", "data_offer", "placed")
