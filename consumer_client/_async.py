@@ -447,7 +447,7 @@ class AsyncKVConsumer(ClientBase):
                 # Cut off: a copy into the caller's memory may still run; wait it out.
                 await asyncio.shield(
                     asyncio.to_thread(
-                        self._core.shm.settle, session.shm.lend_id, session.remaining_s()
+                        self._core.shm.settle, session.shm.lend_id, session.settle_within_s()
                     )
                 )
 

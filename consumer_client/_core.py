@@ -298,10 +298,12 @@ class ClientCore:
         destination = destination_for(into)
         if isinstance(destination, ChunkBuffers):
             destination.check_count(ids)
-        limit = load_timeout.first_limit_s()
-        shm = self._shm_target(
-            into, destination, None if limit is None else limit * OUT_OF_BAND_SHARE
-        )
+        # Lending takes a share of the load's first limit (the size-scaled budget included),
+        # counted from the load's start, so the epoch read before it is part of that share.
+        limits = [load_timeout.first_limit_s(), load_timeout.budget_s(destination.capacity)]
+        bounds = [limit for limit in limits if limit is not None]
+        lend_by = started + OUT_OF_BAND_SHARE * min(bounds) if bounds else None
+        shm = self._shm_target(into, destination, lend_by)
         accept, tcp_probe = self.accept_transports()
         session = LoadSession(
             kv_request_id=kid,
@@ -322,20 +324,24 @@ class ClientCore:
         return session
 
     def _shm_target(
-        self, into: Any, destination: Destination, lend_s: float | None
+        self, into: Any, destination: Destination, lend_by: float | None
     ) -> ShmTarget | None:
         """Where a load's chunks land over shared memory: `into` itself when it lies in a
         buffer this client lent (one copy, by the producer), else a lent staging buffer (one
-        copy more, by the client); None when shared memory is not for this load. A lend still
-        to be made takes at most `lend_s`."""
+        copy more, by the client); None when shared memory is not for this load. Lending ends
+        by `lend_by` (time.monotonic()), both tries together."""
         if self.transport not in ("auto", "shm") or not isinstance(destination, IntoBuffer):
             return None
-        lent = self.shm.lend_of(destination.array_view, lend_s)
+
+        def left() -> float | None:
+            return None if lend_by is None else max(0.0, lend_by - time.monotonic())
+
+        lent = self.shm.lend_of(destination.array_view, left())
         if lent is not None:
             lend_id, view, offset, length = lent
             return ShmTarget(lend_id, view, offset, length, direct=True)
         capacity = destination.capacity or 0
-        staged = self.shm.staging(capacity, lend_s)
+        staged = self.shm.staging(capacity, left())
         if staged is None:
             return None
         lend_id, view, _buffer = staged

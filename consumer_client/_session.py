@@ -181,6 +181,15 @@ class LoadSession:
             return None
         return max(0.0, self.deadline - self._clock())
 
+    def settle_within_s(self) -> float | None:
+        """How long a cut-off shared-memory load may wait for a copy still landing: what is
+        left of the load, and before its first chunk, of the first-chunk limit too."""
+        left = self.remaining_s()
+        first = self.first_chunk_remaining_s() if not self.chunks_loaded else None
+        if first is None:
+            return left
+        return first if left is None else min(left, first)
+
     def first_chunk_remaining_s(self) -> float | None:
         """Seconds until the first-chunk watchdog fires; None when not armed."""
         if self.first_chunk_deadline is None:

@@ -404,7 +404,7 @@ class KVConsumer(ClientBase):
                 _read_what_is_left(call)
             if session.shm is not None and not finished:
                 # Cut off: a copy into the caller's memory may still run; wait it out.
-                self._core.shm.settle(session.shm.lend_id, session.remaining_s())
+                self._core.shm.settle(session.shm.lend_id, session.settle_within_s())
 
     def _receive(self, session: LoadSession) -> Step:
         """Reads the data connection on the calling thread; close() aborts it, and the load

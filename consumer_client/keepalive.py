@@ -128,9 +128,10 @@ class _KeepAliveState:
         self.last_error = exc
         self.errors += 1
 
-    def call_timeout(self) -> float:
-        """Deadline of one KeepAlive call: never longer than a round."""
-        return min(self.interval_s or _MAX_CALL_S, _MAX_CALL_S)
+    def call_timeout(self, info: Any) -> float:
+        """Deadline of one KeepAlive call: never longer than a round, the interval worked out
+        from the leases included."""
+        return min(self.interval(info), _MAX_CALL_S)
 
     def interval(self, info: Any) -> float:
         """Seconds until the next round, asked after a round: a third of the shortest lease
@@ -226,7 +227,7 @@ class KeepAlive(_KeepAliveBase):
             ids = state.snapshot()
             try:
                 if ids:
-                    timeout = state.call_timeout()
+                    timeout = state.call_timeout(self._client.info)
                     states = self._client.extend_leases(ids, state.extend_s, timeout=timeout)
                     state.record(states)
             except ClientClosedError:
@@ -281,7 +282,7 @@ class AsyncKeepAlive(_KeepAliveBase):
             ids = state.snapshot()
             try:
                 if ids:
-                    timeout = state.call_timeout()
+                    timeout = state.call_timeout(self._client.info)
                     states = await self._client.extend_leases(ids, state.extend_s, timeout=timeout)
                     state.record(states)
             except ClientClosedError:
