@@ -293,6 +293,13 @@ class LoadSession:
         shm = self.shm
         if shm is None or placed.offset + placed.nbytes > shm.length:
             return self._abandon(Reason.PROTOCOL_ERROR, "a ChunkPlaced outside the lent range")
+        if placed.offset != self._dest.nbytes:
+            # Chunks are placed back to back: any other offset would report a chunk where it
+            # is not, or over one already verified.
+            return self._abandon(
+                Reason.PROTOCOL_ERROR,
+                f"chunk {placed.chunk_id} placed at {placed.offset}, not at {self._dest.nbytes}",
+            )
         refused = self.expected_chunk(placed.chunk_id)
         if refused is not None:
             return refused

@@ -31,7 +31,7 @@ from kvpark.client import (
     classify_status,
 )
 from kvpark.client._buffers import ChunkBuffers, IntoBuffer, OwnedBuffer, byte_view, destination_for
-from kvpark.client._session import LoadSession, Step
+from kvpark.client._session import LoadSession, ShmTarget, Step
 from kvpark.client._timeouts import USE_CLIENT_DEFAULT, resolve, to_timeout
 from kvpark.pb import kvpark_pb2 as pb
 
@@ -496,3 +496,34 @@ def test_a_target_that_cannot_reach_a_producer_is_misuse(target: str, problem: s
 def test_host_port_and_grpc_targets_are_taken(target: str) -> None:
     KVConsumer(target).close()
     consumer_client.KVParker(target).close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_chunk_placed_anywhere_but_right_after_the_last_is_a_protocol_error(
+    direct: bool,
+) -> None:
+    """Shared-memory placements go back to back: a placement over an earlier chunk (or past
+    a gap) would have the load report a chunk where it is not."""
+    lent = np.zeros(8, np.uint8)
+    into = lent if direct else np.zeros(8, np.uint8)
+    shm = ShmTarget("lend", lent.data, 0, 8, direct=direct)
+    session = LoadSession(
+        kv_request_id="s",
+        chunk_ids=(0, 1),
+        destination=destination_for(into),
+        timeout=Timeout(),
+        expected_epoch=0,
+        wait_timeout_s=0.0,
+        on_chunk=None,
+        shm=shm,
+    )
+    lent[:4] = 1
+    first = pb.ChunkPlaced(chunk_id=0, crc32c=crc32c_of(b"\x01" * 4), offset=0, nbytes=4)
+    placed = pb.FetchResponse(placed=pb.ChunksPlaced(chunks=[first]))
+    assert session.feed(placed.SerializeToString()) is Step.CONTINUE
+    over = pb.ChunkPlaced(chunk_id=1, crc32c=crc32c_of(b"\x01" * 4), offset=0, nbytes=4)
+    step = session.feed(pb.FetchResponse(placed=pb.ChunksPlaced(chunks=[over])).SerializeToString())
+    assert step is not Step.CONTINUE
+    result = session.result(None)
+    assert result.reason is Reason.PROTOCOL_ERROR and "placed at 0, not at 4" in result.detail
+    assert result.chunks_loaded == 1
