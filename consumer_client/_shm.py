@@ -88,6 +88,8 @@ class ShmAccess:
         self._lends: dict[int, tuple[weakref.ref[SharedBuffer], str]] = {}
         self._buffers: list[SharedBuffer] = []  # handed out by shared_buffer(), closed with us
         self._staging: SharedBuffer | None = None
+        # A cut-off call into the staging buffer did not settle: replace it before reuse.
+        self._staging_tainted = False
         self._staging_busy = False
         # Lends to end whose release could not be sent in the time a call had: the next lend
         # sends them (else the producer would keep their memory until the connection ends).
@@ -156,8 +158,9 @@ class ShmAccess:
                 return None
             self._staging_busy = True
             old = self._staging
+            tainted, self._staging_tainted = self._staging_tainted, False
         buffer = old
-        if buffer is None or buffer.nbytes < nbytes:
+        if buffer is None or buffer.nbytes < nbytes or tainted:
             try:
                 buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
             except (OSError, MemoryError) as exc:
@@ -218,9 +221,21 @@ class ShmAccess:
                 "not settle: a late copy may still land in the memory it owned: %s",
                 exc,
             )
+            self._retire_staging(lent)
             return
         if not still_lent:
             self._forget_lend(lent)
+
+    def _retire_staging(self, lend_id: str) -> None:
+        """A late copy may still land in the buffer lent as `lend_id`: when it is the staging
+        buffer, the next load stages through a new one (and the old one is closed and its
+        lend ended then), so no copy of a cut-off call lands under a later load's chunks after
+        they were verified."""
+        with self._lock:
+            staging = self._staging
+            entry = None if staging is None else self._lends.get(id(staging))
+            if entry is not None and entry[1] == lend_id:
+                self._staging_tainted = True
 
     def forget_refused(self, lend_id: str) -> None:
         """After a Park naming `lend_id` was refused for its lend (the producer does not hold

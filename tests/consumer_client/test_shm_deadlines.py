@@ -100,3 +100,32 @@ def test_a_keep_alive_round_is_bounded_by_the_interval_from_the_leases() -> None
     assert state.call_timeout(info) == pytest.approx(0.5)
     assert _KeepAliveState(["kv"], 30.0, 0.0).call_timeout(info) == 5.0  # at most 5 s
     assert 0 < _KeepAliveState(["kv"], None, 0.0).call_timeout(None) <= 5.0
+
+
+def test_a_staging_buffer_a_late_copy_may_still_reach_is_not_used_again(tmp_path: Path) -> None:
+    """A load staged through the client's lent buffer is cut off while the producer is frozen,
+    so the producer cannot say its copy stopped: the next load stages through a new buffer,
+    so that late copy cannot land under chunks the next load already verified."""
+    directory = tempfile.mkdtemp(prefix="kvpark-")
+    producer = start_producer_process(tmp_path, shm_socket=os.path.join(directory, "s.sock"))
+    try:
+        for kid in ("warm", "cut", "next"):
+            park_sync(producer.target, kid, {0: bytes([len(kid)]) * 65536})
+        with KVConsumer(producer.target, transport="shm") as consumer:
+            into = bytearray(65536)  # not a shared buffer: loads go through the staging one
+            assert consumer.load("warm", num_chunks=1, into=into).transport == "shm"
+            staging = consumer._core.shm._staging
+            os.kill(producer.proc.pid, signal.SIGSTOP)
+            cut = consumer.load(
+                "cut", num_chunks=1, into=into, timeout=Timeout(10, first_chunk_s=0.3)
+            )
+            os.kill(producer.proc.pid, signal.SIGCONT)
+            after = consumer.load("next", num_chunks=1, into=into)
+            assert consumer._core.shm._staging is not staging
+    finally:
+        os.kill(producer.proc.pid, signal.SIGCONT)
+        producer.proc.kill()
+        producer.proc.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert cut.reason is Reason.TIMEOUT, cut
+    assert after.ok and after.transport == "shm" and bytes(into) == bytes([4]) * 65536, after
