@@ -44,8 +44,8 @@ _METHOD_ROLES: dict[str, frozenset[str]] = {
 }
 # Release without a delivery_id gives an id up: the park role's right alone.
 _GIVE_UP_ROLES = frozenset({PARK_ROLE})
-# How each method streams, to build a refusal handler of the same shape.
-_STREAMING = {"Park": "stream_unary", "Fetch": "unary_stream"}
+# Methods that answer with a stream, to build a refusal handler whose answer has their shape.
+_STREAMS_RESPONSES = frozenset({"Fetch"})
 
 
 def _bearer(metadata: Any) -> bytes | None:
@@ -138,26 +138,33 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         refusal = self.decide(method, details.invocation_metadata)
         if refusal is None:
             return await continuation(details)
-        return _refusing_handler(
-            _STREAMING.get(method, "unary_unary"), *refusal, warnings=self._warnings
-        )
+        return _refusing_handler(method in _STREAMS_RESPONSES, *refusal, warnings=self._warnings)
 
 
 def _refusing_handler(
-    kind: str, code: grpc.StatusCode, message: str, *, warnings: RateLimitedWarnings
+    streams_responses: bool,
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    warnings: RateLimitedWarnings,
 ) -> grpc.RpcMethodHandler:
-    async def refuse(request: Any, context: Any) -> None:
+    """A handler that refuses the call without reading its request. It is always registered
+    as a stream-request kind, whatever the method's own shape: grpc runs a unary-request
+    handler only once the request message has arrived, so a peer that sends headers and never
+    a message would hold one of `max_concurrent_rpcs` for as long as its connection lives. A
+    stream-request handler starts at once, and the wire is the same for every cardinality, so
+    the client still reads the status as usual."""
+
+    async def refuse(request_iterator: Any, context: Any) -> None:
         peer = context.peer()
         warnings.warn("auth", peer, "call refused", lambda: {"code": code.name, "peer": peer})
         await context.abort(code, message)
 
-    if kind == "stream_unary":
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if kind == "unary_stream":
+    if streams_responses:
 
-        async def refuse_stream(request: Any, context: Any) -> Any:
-            await refuse(request, context)
+        async def refuse_stream(request_iterator: Any, context: Any) -> Any:
+            await refuse(request_iterator, context)
             yield  # pragma: no cover - makes this an async generator
 
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(refuse)
