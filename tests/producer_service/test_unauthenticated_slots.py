@@ -13,6 +13,7 @@ from h2_headers import HeadersOnlyClient
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.open_streams import FIRST_MESSAGE_S, OPEN_STREAMS
 
 PARK_TOKEN = "park-secret-5c1e08"
 FETCH_TOKEN = "fetch-secret-93ad27"
@@ -80,3 +81,40 @@ async def test_headers_only_calls_without_a_token_hold_no_slot(
             "kvpark_suppressed_warnings_total", {"kind": "auth"}
         )
         assert len(logged) + (suppressed or 0) == ROUNDS * LIMIT
+
+
+@pytest.mark.parametrize("method", ["Check", "Watch"])
+async def test_health_calls_that_never_send_their_request_hold_only_the_open_places(
+    method: str,
+) -> None:
+    """Health stays open without a token, but a health call that sends HEADERS and never its
+    request holds one of a bounded number of places (OPEN_STREAMS), ended after
+    FIRST_MESSAGE_S; the rest are refused at once, and a token holder still gets through."""
+    async with running_producer(
+        park_token=PARK_TOKEN, fetch_token=FETCH_TOKEN, max_concurrent_rpcs=24
+    ) as server:
+        host, port = server.target.rsplit(":", 1)
+        raw = HeadersOnlyClient(host, int(port))
+        try:
+            path = f"/grpc.health.v1.Health/{method}"
+            streams = [raw.open_stream(path, server.target) for _ in range(30)]
+            await wait_until(
+                lambda: len(raw.ended & set(streams)) >= 30 - OPEN_STREAMS,
+                what="the calls beyond the open places refused",
+            )
+            async with grpc.aio.insecure_channel(server.target) as ch:
+                answer = await pb_grpc.KVProducerStub(ch).Lookup(
+                    pb.LookupRequest(kv_request_ids=["a"]),
+                    metadata=(("authorization", f"Bearer {FETCH_TOKEN}"),),
+                    timeout=10,
+                )
+                assert [s.kv_request_id for s in answer.states] == ["a"]
+            # The waiting ones end by themselves once their request is overdue.
+            await wait_until(
+                lambda: set(streams) <= raw.ended,
+                timeout=FIRST_MESSAGE_S + 10,
+                what="every silent health call ended",
+            )
+            assert not raw.closed
+        finally:
+            raw.close()
