@@ -237,6 +237,10 @@ def parse_optional_file(key: str, value: object) -> str | None:
     return value
 
 
+# What the private directory the shm socket is first bound in adds to its directory's path.
+PRIVATE_BIND_SUFFIX = "/.kvpark-XXXXXXXX/s"
+
+
 def parse_socket_path(key: str, value: object) -> str:
     """An absolute Unix socket path, or "" for none. Linux limits such paths to 107 bytes. The
     path is published to clients, which connect to it from their own working directory: a
@@ -249,6 +253,15 @@ def parse_socket_path(key: str, value: object) -> str:
         raise _bad(key, "an absolute path (clients connect to it from their own directory)", value)
     if len(value.encode()) > 107:
         raise _bad(key, "a path of at most 107 bytes (the Unix socket limit)", value)
+    # The socket is first bound inside a private directory next to it (shm_lending.py):
+    # "<directory>/.kvpark-XXXXXXXX/s" must fit the same limit.
+    if len(str(PurePosixPath(value).parent).encode()) + len(PRIVATE_BIND_SUFFIX) > 107:
+        raise _bad(
+            key,
+            f"a path whose directory is at most {107 - len(PRIVATE_BIND_SUFFIX)} bytes "
+            "(the socket is bound in a private directory there first)",
+            value,
+        )
     return value
 
 

@@ -2,10 +2,11 @@
 checked at start-up rather than discovered when the next client cannot connect.
 
 Each part the configuration turns on has a bound: a descriptor per client connection
-(`max_connections`, plus a margin for the pool, logs, metrics and grpc's own pipes and epoll);
-the data listener's kept connections and handshakes, and one connection per TCP Fetch in
-flight (each a call, so at most `max_concurrent_rpcs`); the shm socket's connections and its
-lends, each of which holds a descriptor for its mapping. A soft RLIMIT_NOFILE below their sum
+(`max_connections`, plus a margin for the pool, logs and grpc's own pipes and epoll); the
+metrics endpoint's listener and the connections it serves at once; the data listener's kept
+connections and handshakes, and one connection per TCP Fetch in flight (each a call, so at
+most `max_concurrent_rpcs`); the shm socket's connections and its lends, each of which holds a
+descriptor for its mapping. A soft RLIMIT_NOFILE below their sum
 would let silent or leaked connections, or lent buffers, lock every new client out with
 EMFILE while grpc keeps retrying `accept`. The soft limit is raised to what is needed when the
 hard limit allows it (an unprivileged process may), and a hard limit that is too low is a
@@ -13,7 +14,7 @@ configuration error naming each part.
 
 The shm socket's lends are the one part sized to fit: up to 4,096, fewer where the hard limit
 leaves less room (4,096 is a common hard limit outside containers, and the defaults with both
-transports on would need 7,512), but at least one per shm connection.
+transports on would need 7,529), but at least one per shm connection.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Mapping
 
-from . import data_listener, shm_lending
+from . import data_listener, metrics, shm_lending
 from .config import ProducerConfig
 from .config_values import ConfigError
 
@@ -37,6 +38,8 @@ def descriptors_needed(
     """The most descriptors each part may hold at once (the shm socket with `lends`), by the
     key that bounds it or turns it on."""
     parts = {"max_connections": config.max_connections + MARGIN}
+    if config.metrics_address is not None:
+        parts["metrics_listen"] = 1 + metrics.METRICS_MAX_CONNECTIONS
     if config.data_address is not None:
         parts["data_listen"] = data_listener.DESCRIPTORS + config.max_concurrent_rpcs
     if config.shm_socket:

@@ -13,7 +13,12 @@ memory limit is measured against (README, "Memory").
 
 from __future__ import annotations
 
+import io
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import (
@@ -23,15 +28,24 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from kvpark.pb import kvpark_pb2 as pb
 
 from .lot import LotStatistics, Reason, reason_name
 from .pool import PoolStatistics
+
+# Connections the /metrics endpoint serves at once; one more is closed as soon as it is
+# accepted. Anyone who can reach the port may connect, so each connection (a descriptor and a
+# thread) must be bounded, and the descriptors counted in the budget (fd_budget.py). A scraper
+# or two and a health probe need a handful.
+METRICS_MAX_CONNECTIONS = 16
+# Seconds a connection has to send its whole request, and then again to take the reply; a
+# client silent or dripping past that is closed, so silent connections cannot hold every slot.
+METRICS_TIMEOUT_S = 5.0
 
 # The `connection` label of kvpark_data_connections_total.
 DATA_CONNECTIONS = ("new", "kept", "refused")
@@ -217,7 +231,18 @@ class ProducerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Starts the /metrics HTTP endpoint on `host`:`port`; returns the port bound."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        # As prometheus_client does: the first address the host resolves to, in its family.
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        server = _MetricsServer(
+            (str(sockaddr[0]), port),
+            _DeadlineHandler.factory(self.registry),
+            family,
+            max_connections=METRICS_MAX_CONNECTIONS,
+            timeout_s=METRICS_TIMEOUT_S,
+        )
+        threading.Thread(target=server.serve_forever, name="kvpark-metrics", daemon=True).start()
         self._http = server
         return int(server.server_address[1])
 
@@ -226,6 +251,86 @@ class ProducerMetrics:
         if http is not None:
             http.shutdown()
             http.server_close()
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """prometheus_client's handler on a server that bounds what a client can hold: at most
+    `max_connections` served at once (a thread and a descriptor each), each given `timeout_s`
+    to send its request and as long again to take the reply."""
+
+    daemon_threads = True
+    # Connections waiting in the kernel to be accepted hold no descriptor of ours; a backlog
+    # of socketserver's 5 would leave a scraper's connection behind a burst of others.
+    request_queue_size = 64
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type,
+        family: socket.AddressFamily,
+        *,
+        max_connections: int,
+        timeout_s: float,
+    ) -> None:
+        self.address_family = family  # an IPv6 host needs an AF_INET6 socket
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Refused here, in the accepting thread, before a thread is started for it.
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _DeadlineHandler(MetricsHandler):
+    """prometheus_client's handler reading its request under one deadline for the whole
+    request: a per-read timeout alone would let a client that sends a byte now and then keep
+    its slot forever."""
+
+    server: _MetricsServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        deadline = time.monotonic() + self.server.timeout_s
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+
+    def end_headers(self) -> None:
+        # The request is in: the reply gets its own timeout (sendall's is for the whole call),
+        # so a scrape that took most of the deadline to arrive is still answered.
+        self.connection.settimeout(self.server.timeout_s)
+        super().end_headers()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each given what is left until `deadline`."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request not complete in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
 
 
 class _Children:

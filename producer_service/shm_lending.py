@@ -23,6 +23,7 @@ import secrets
 import selectors
 import socket
 import stat
+import tempfile
 import threading
 import time
 import weakref
@@ -70,6 +71,8 @@ def descriptors(max_lends: int) -> int:
 
 
 SOCKET_MODE = 0o660
+# The socket's name in the private directory it is bound in before it is linked into place.
+_STAGING_NAME = "s"
 # A lend carries one descriptor; room for a few more so that extras are received (and closed)
 # rather than silently dropped by the kernel with MSG_CTRUNC.
 _MAX_FDS_PER_READ = 4
@@ -341,15 +344,10 @@ class ShmLendingServer:
         os.makedirs(parent, mode=0o750, exist_ok=True)  # group members must reach the socket
         self._clear_stale_socket()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        bound = False
         try:
-            listener.bind(self.path)
-            bound = True
-            # Before listen(): until then every connect is refused, so no client ever gets
-            # in under the umask's wider mode.
-            os.chmod(self.path, SOCKET_MODE)
-            st = os.stat(self.path)
-            self._socket_identity = (st.st_dev, st.st_ino)
+            self._socket_identity = self._bind_privately(listener, parent)
+            # Only now, with the file in place at its mode: until listen() every connect is
+            # refused, so no client ever gets in under a wider mode.
             listener.listen(64)
             listener.setblocking(False)
             self._wake_r, self._wake_w = socket.socketpair()
@@ -359,9 +357,7 @@ class ShmLendingServer:
             self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         except BaseException:
             listener.close()
-            if bound:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
+            self._unlink_own_socket()
             self._close_wake()
             raise
         self._listener = listener
@@ -380,12 +376,7 @@ class ShmLendingServer:
             self._wake()
             thread.join(timeout=10)
         self._close_all()
-        if self._socket_identity is not None:
-            # Only the file this server made: a successor may already have replaced it.
-            with contextlib.suppress(OSError):
-                st = os.lstat(self.path)
-                if (st.st_dev, st.st_ino) == self._socket_identity:
-                    os.unlink(self.path)
+        self._unlink_own_socket()
         self._close_wake()
 
     def get(self, lend_id: str, role: str) -> LentBuffer | LentCall | None:
@@ -421,6 +412,59 @@ class ShmLendingServer:
         with self._lock:
             lends = list(self._lends.values())
         return sum(lent.held for lent in lends)
+
+    def _bind_privately(self, listener: socket.socket, parent: str) -> tuple[int, int]:
+        """Binds `listener` and puts its file at self.path with SOCKET_MODE; returns the file's
+        (st_dev, st_ino).
+
+        Whoever may write `parent` may replace any name in it at any moment, so no mode is
+        ever set through a name there (a symlink swapped in after bind would pass the chmod
+        on to a file of ours it points at). The socket is bound inside a fresh directory only
+        this user can enter, its mode set through that directory's descriptor, then
+        hard-linked to self.path: link() never follows a symlink at its target and fails if
+        anything is there, so nothing that appeared at the path since the stale check is
+        replaced."""
+        private = tempfile.mkdtemp(prefix=".kvpark-", dir=parent)
+        try:
+            dir_fd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(dir_fd)
+                # Not a directory swapped in under the name mkdtemp made: others cannot make
+                # one owned by this user, and no one else may enter this one.
+                if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                    raise PermissionError(
+                        errno.EPERM, "private directory was replaced; not binding", private
+                    )
+                # The directory's name may have been swapped for another directory since it
+                # was opened: then bind lands there, and the chmod through dir_fd finds nothing.
+                listener.bind(os.path.join(private, _STAGING_NAME))
+                try:
+                    os.chmod(_STAGING_NAME, SOCKET_MODE, dir_fd=dir_fd)
+                    staged = os.stat(_STAGING_NAME, dir_fd=dir_fd, follow_symlinks=False)
+                    if not stat.S_ISSOCK(staged.st_mode):
+                        raise PermissionError(
+                            errno.EPERM, "private directory was tampered with", private
+                        )
+                    os.link(_STAGING_NAME, self.path, src_dir_fd=dir_fd, follow_symlinks=False)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(_STAGING_NAME, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(private)
+        return staged.st_dev, staged.st_ino
+
+    def _unlink_own_socket(self) -> None:
+        """Removes self.path if it is still the file this server made: a successor may
+        already have replaced it."""
+        if self._socket_identity is None:
+            return
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._socket_identity:
+                os.unlink(self.path)
 
     def _clear_stale_socket(self) -> None:
         try:

@@ -737,3 +737,13 @@ def test_other_tools_variables_are_not_producer_typos() -> None:
     environ = dict.fromkeys(OTHER_TOOLS_ENV_VARS, "x") | {"KVPARK_POOL_BYTES": "32MiB"}
     config = load_config([], environ)
     assert config.pool_bytes == 32 * 1024 * 1024
+
+
+def test_a_shm_socket_whose_private_bind_path_would_be_too_long_is_refused() -> None:
+    """The socket is first bound in a private directory beside it ("<dir>/.kvpark-XXXXXXXX/s",
+    19 bytes more than its directory), which must fit the 107-byte Unix limit too."""
+    fits = "/" + "d" * 87 + "/kv.sock"  # directory 88 bytes
+    assert ProducerConfig.from_mapping({"shm_socket": fits}).shm_socket == fits
+    deep = "/" + "d" * 88 + "/kv.sock"  # directory 89 bytes, whole path 97: under 107
+    with pytest.raises(ConfigError, match=r"^shm_socket: .*directory is at most 88 bytes"):
+        ProducerConfig.from_mapping({"shm_socket": deep})

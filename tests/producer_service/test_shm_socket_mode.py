@@ -1,0 +1,144 @@
+"""The shm socket's file gets its 0660 mode without any chmod through a name others may
+change: it is bound and given its mode inside a private directory, then linked into place.
+Whoever can write the socket's directory therefore cannot pass the mode on to another file
+of the producer's user by swapping a symlink in, and what the start may replace is unchanged:
+a stale socket, nothing else."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from kvpark.producer.shm_lending import ShmLendingServer
+
+STARTS = 200
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    short = Path(tempfile.mkdtemp(prefix="kvmode", dir="/tmp" if os.path.isdir("/tmp") else None))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def lending_server(path: Path) -> ShmLendingServer:
+    return ShmLendingServer(str(path), 1, lambda token, role: None)
+
+
+def test_socket_is_0660_and_bound_in_a_private_directory(sock_dir: Path) -> None:
+    path = sock_dir / "shm.sock"
+    server = lending_server(path)
+    server.start()
+    try:
+        st = os.lstat(path)
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o660
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+            # The address the socket was bound to: never the configured name, which anyone
+            # who may write the directory could have swapped between bind and chmod.
+            bound = client.getpeername()
+        assert bound != str(path)
+        assert os.path.dirname(os.path.dirname(bound)) == str(sock_dir)
+        # The private directory is gone, and nothing else was left beside the socket.
+        assert sorted(os.listdir(sock_dir)) == ["shm.sock"]
+    finally:
+        server.stop()
+    assert not path.exists()
+
+
+def test_a_symlink_at_the_path_is_refused_and_not_followed(sock_dir: Path) -> None:
+    secret = sock_dir / "secret.key"
+    secret.write_text("k")
+    secret.chmod(0o600)
+    path = sock_dir / "shm.sock"
+    path.symlink_to(secret)
+    server = lending_server(path)
+    with pytest.raises(FileExistsError, match="not a socket"):
+        server.start()
+    server.stop()
+    assert path.is_symlink() and os.readlink(path) == str(secret)
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+def test_a_stale_socket_is_replaced_and_a_live_one_refused(sock_dir: Path) -> None:
+    path = sock_dir / "shm.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays, nobody listens
+    first = lending_server(path)
+    first.start()
+    try:
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o660
+        second = lending_server(path)
+        with pytest.raises(OSError, match="another process serves this socket"):
+            second.start()
+        second.stop()
+        assert sorted(os.listdir(sock_dir)) == ["shm.sock"]
+    finally:
+        first.stop()
+
+
+ATTACKER = textwrap.dedent(
+    """
+    import os, stat, sys
+    directory, secret = sys.argv[1], sys.argv[2]
+    sock, n = os.path.join(directory, "shm.sock"), 0
+    open(os.path.join(directory, "ready"), "w").close()
+    while os.path.exists(os.path.join(directory, "ready")):
+        try:
+            st = os.lstat(sock)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            link = os.path.join(directory, f"l{n}")
+            n += 1
+            try:
+                os.symlink(secret, link)
+                os.rename(link, sock)
+            except OSError:
+                pass
+    """
+)
+
+
+def test_a_symlink_swapped_in_at_start_never_widens_another_file(sock_dir: Path) -> None:
+    """Someone who may write the directory swaps a symlink to another file of the producer's
+    user in for the socket as soon as it appears, start after start. The deterministic check
+    of the same property is the private bind above; this one is the attack itself."""
+    secret = Path(tempfile.mkdtemp(prefix="kvsecret")) / "secret.key"
+    secret.write_text("k")
+    secret.chmod(0o600)
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(sock_dir), str(secret)])
+    try:
+        wait_for(lambda: (sock_dir / "ready").exists(), what="the attacker running")
+        for _ in range(STARTS):
+            for name in os.listdir(sock_dir):
+                if name.startswith("l") or name == "shm.sock":
+                    os.unlink(sock_dir / name)
+            server = lending_server(sock_dir / "shm.sock")
+            try:
+                server.start()
+            except OSError:
+                pass  # the swap came first and the start refused the symlink
+            finally:
+                server.stop()
+            assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    finally:
+        (sock_dir / "ready").unlink(missing_ok=True)
+        attacker.wait(timeout=10)
+        shutil.rmtree(secret.parent, ignore_errors=True)
