@@ -158,7 +158,7 @@ class ShmAccess:
                 return None
             self._staging_busy = True
             old = self._staging
-            tainted, self._staging_tainted = self._staging_tainted, False
+            tainted = self._staging_tainted
         buffer = old
         if buffer is None or buffer.nbytes < nbytes or tainted:
             try:
@@ -175,7 +175,8 @@ class ShmAccess:
             with self._lock:
                 closed = self._closed
                 if not closed:
-                    self._staging = buffer
+                    # Only now: a replacement that failed leaves the old buffer retired.
+                    self._staging, self._staging_tainted = buffer, False
             if closed:  # close() ran meanwhile and would not see this buffer
                 buffer.close()
                 self.unstage()
@@ -206,6 +207,9 @@ class ShmAccess:
         producer cannot say so in time, the fact is logged: it may then still finish one copy
         into that memory. The connection and the other lends made over it stay either way."""
         lent, call = split_call_id(lend_id)
+        # Retired until the producer says no copy runs: a load that takes the staging buffer
+        # meanwhile (an async load's caller cancelled this wait) stages through a new one.
+        self._retire_staging(lent, True)
         if call is None:
             self._forget_lend(lent)
         with self._lock:
@@ -221,21 +225,21 @@ class ShmAccess:
                 "not settle: a late copy may still land in the memory it owned: %s",
                 exc,
             )
-            self._retire_staging(lent)
             return
+        self._retire_staging(lent, False)  # settled: no late copy can land any more
         if not still_lent:
             self._forget_lend(lent)
 
-    def _retire_staging(self, lend_id: str) -> None:
-        """A late copy may still land in the buffer lent as `lend_id`: when it is the staging
-        buffer, the next load stages through a new one (and the old one is closed and its
-        lend ended then), so no copy of a cut-off call lands under a later load's chunks after
-        they were verified."""
+    def _retire_staging(self, lend_id: str, retired: bool) -> None:
+        """Whether a late copy may still land in the buffer lent as `lend_id`: while it may and
+        that is the staging buffer, the next load stages through a new one (and the old one is
+        closed and its lend ended then), so no copy of a cut-off call lands under a later
+        load's chunks after they were verified."""
         with self._lock:
             staging = self._staging
             entry = None if staging is None else self._lends.get(id(staging))
             if entry is not None and entry[1] == lend_id:
-                self._staging_tainted = True
+                self._staging_tainted = retired
 
     def forget_refused(self, lend_id: str) -> None:
         """After a Park naming `lend_id` was refused for its lend (the producer does not hold

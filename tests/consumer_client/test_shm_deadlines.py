@@ -22,6 +22,7 @@ from conftest import running_producer, start_producer_process
 from consumer_support import park_sync
 
 from kvpark import AsyncKVConsumer, KVConsumer, KVParker, Reason, Timeout
+from kvpark.client import _shm as kvpark_shm
 from kvpark.client.keepalive import _KeepAliveState
 
 # Far above what each load needs when it keeps to its limit (tens of ms, or the limit plus
@@ -102,14 +103,17 @@ def test_a_keep_alive_round_is_bounded_by_the_interval_from_the_leases() -> None
     assert 0 < _KeepAliveState(["kv"], None, 0.0).call_timeout(None) <= 5.0
 
 
-def test_a_staging_buffer_a_late_copy_may_still_reach_is_not_used_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replacement_fails_once", [False, True])
+def test_a_staging_buffer_a_late_copy_may_still_reach_is_not_used_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replacement_fails_once: bool
+) -> None:
     """A load staged through the client's lent buffer is cut off while the producer is frozen,
     so the producer cannot say its copy stopped: the next load stages through a new buffer,
     so that late copy cannot land under chunks the next load already verified."""
     directory = tempfile.mkdtemp(prefix="kvpark-")
     producer = start_producer_process(tmp_path, shm_socket=os.path.join(directory, "s.sock"))
     try:
-        for kid in ("warm", "cut", "next"):
+        for kid in ("warm", "cut", "mid", "next"):
             park_sync(producer.target, kid, {0: bytes([len(kid)]) * 65536})
         with KVConsumer(producer.target, transport="shm") as consumer:
             into = bytearray(65536)  # not a shared buffer: loads go through the staging one
@@ -120,6 +124,12 @@ def test_a_staging_buffer_a_late_copy_may_still_reach_is_not_used_again(tmp_path
                 "cut", num_chunks=1, into=into, timeout=Timeout(10, first_chunk_s=0.3)
             )
             os.kill(producer.proc.pid, signal.SIGCONT)
+            if replacement_fails_once:  # out of descriptors for the new buffer, once
+                made = kvpark_shm.SharedBuffer
+                monkeypatch.setattr(kvpark_shm, "SharedBuffer", _fails(OSError(24, "EMFILE")))
+                meanwhile = consumer.load("mid", num_chunks=1, into=into)
+                assert meanwhile.ok and meanwhile.transport == "grpc", meanwhile
+                monkeypatch.setattr(kvpark_shm, "SharedBuffer", made)
             after = consumer.load("next", num_chunks=1, into=into)
             assert consumer._core.shm._staging is not staging
     finally:
@@ -129,3 +139,10 @@ def test_a_staging_buffer_a_late_copy_may_still_reach_is_not_used_again(tmp_path
         shutil.rmtree(directory, ignore_errors=True)
     assert cut.reason is Reason.TIMEOUT, cut
     assert after.ok and after.transport == "shm" and bytes(into) == bytes([4]) * 65536, after
+
+
+def _fails(exc: Exception) -> object:
+    def make(*args: object, **kwargs: object) -> object:
+        raise exc
+
+    return make
