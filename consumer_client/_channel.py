@@ -15,8 +15,6 @@ from typing import Any
 import grpc
 from grpc.experimental import ChannelOptions
 
-from kvpark.address import Address
-
 from ._errors import UsageError
 from ._guarded_channel import GuardedChannel
 
@@ -139,7 +137,9 @@ class ChannelSettings:
 
 
 # gRPC's own target schemes: a target that starts with one goes to gRPC as it is.
-_GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p")
+_GRPC_SCHEMES = (
+    "dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p", "passthrough",
+)  # fmt: skip
 _EXPECTED_TARGET = "expected 'host:port' or a gRPC target such as 'dns:///host:port' or 'unix:PATH'"
 
 
@@ -155,10 +155,13 @@ def target_problem(target: object) -> str | None:
         return None
     if target != target.strip():
         return f"{target!r} has spaces around it"
-    try:
-        address = Address.parse(target)
-    except ValueError:
+    # Looser than kvpark.address on the host: gRPC's resolver takes names such as docker
+    # compose v1's "my_service_1" or a fully qualified "svc.ns.svc.cluster.local.".
+    host, colon, port = target.rpartition(":")
+    if not colon or not host or "/" in host or any(c.isspace() for c in host):
         return f"{_EXPECTED_TARGET}, got {target!r}"
-    if address.port == 0:
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        return f"{_EXPECTED_TARGET}, got {target!r}"
+    if int(port) == 0:
         return f"{target!r}: port 0 cannot be dialed"
     return None

@@ -30,15 +30,30 @@ def fingerprint(model: str, token_ids: Iterable[int], *extra: str | bytes) -> by
     any host and in any process."""
     if not isinstance(model, str) or not model:
         raise ValueError("model: expected the model's name, a non-empty string")
-    tokens = np.asarray(list(token_ids), dtype=np.int64)
-    if tokens.ndim != 1:
-        raise ValueError("token_ids: expected a flat sequence of ints")
+    tokens = _token_array(token_ids)
     digest = hashlib.blake2b(digest_size=16, person=_PERSON)
     _add(digest, model.encode("utf-8"))
     _add(digest, tokens.astype("<i8").tobytes())
     for item in extra:
         _add(digest, item.encode("utf-8") if isinstance(item, str) else bytes(item))
     return digest.digest()
+
+
+def _token_array(token_ids: Iterable[int]) -> np.ndarray:
+    """The token ids as int64, refusing what would hash like another prompt's tokens (a float
+    truncated, True taken for 1) or not fit."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in "iu" and token_ids.ndim == 1:
+        if token_ids.dtype.kind == "u" and token_ids.size and token_ids.max() > 2**63 - 1:
+            raise ValueError("token_ids: an id beyond int64")
+        return token_ids.astype(np.int64)
+    tokens = list(token_ids)
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise ValueError(f"token_ids: expected ints, got {token!r}")
+    try:
+        return np.array(tokens, dtype=np.int64)
+    except OverflowError:
+        raise ValueError("token_ids: an id beyond int64") from None
 
 
 def _add(digest: hashlib.blake2b, field: bytes) -> None:

@@ -491,7 +491,16 @@ def test_a_target_that_cannot_reach_a_producer_is_misuse(target: str, problem: s
 
 
 @pytest.mark.parametrize(
-    "target", ["producer:50051", "[::1]:50051", "dns:///producer:50051", "unix:/run/kv.sock"]
+    "target",
+    [
+        "producer:50051",
+        "[::1]:50051",
+        "dns:///producer:50051",
+        "unix:/run/kv.sock",
+        "passthrough:///producer:50051",
+        "kvpark_producer_1:50051",  # docker compose v1 names
+        "kvpark.ns.svc.cluster.local.:50051",  # a fully qualified name
+    ],
 )
 def test_host_port_and_grpc_targets_are_taken(target: str) -> None:
     KVConsumer(target).close()

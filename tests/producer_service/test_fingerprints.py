@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 from conftest import (
     fetch_all,
@@ -130,3 +131,8 @@ def test_the_fingerprint_is_stable_and_separates_its_inputs() -> None:
     assert fingerprint("model-a", [1, 2, 3]).hex() == "ca1d60970def539bd7ab4456d8fa2c5d"
     with pytest.raises(ValueError, match="model"):
         fingerprint("", [1])
+    # What would hash like another prompt's tokens, or not fit, is refused.
+    for bad in ([1.7], [True], [2**63], [[1, 2]]):
+        with pytest.raises(ValueError, match="token_ids"):
+            fingerprint("m", bad)
+    assert fingerprint("m", np.array([1, 2, 3], np.uint32)) == fingerprint("m", [1, 2, 3])
