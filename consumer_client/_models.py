@@ -7,8 +7,9 @@ of the contract (names as in the .proto, units in the field names).
 
 from __future__ import annotations
 
+import builtins
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvpark.pb import kvpark_pb2 as pb
@@ -55,6 +56,9 @@ class IdStatus:
     # Seconds until the lease runs out (PARKED), the delivery grace ends (DELIVERED) or a
     # KeepAlive intent expires (UNKNOWN); 0 otherwise.
     lease_remaining_s: float
+    # What the id's KV was computed from, as fixed by its first commit (see
+    # `kvpark.fingerprint`); b"" when parked without one, or not parked.
+    fingerprint: builtins.bytes = b""  # `bytes` here is the field above
 
     @classmethod
     def from_proto(cls, msg: Any) -> IdStatus:
@@ -67,11 +71,16 @@ class IdStatus:
             bytes=msg.bytes,
             age_s=msg.age_s,
             lease_remaining_s=msg.lease_remaining_s,
+            fingerprint=msg.fingerprint,
         )
 
     @property
     def ended(self) -> bool:
         return self.state is State.TOMBSTONED
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields for a JSON document, the fingerprint as hex (JSON has no bytes)."""
+        return {**asdict(self), "fingerprint": self.fingerprint.hex()}
 
 
 @dataclass(frozen=True, slots=True)

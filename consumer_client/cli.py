@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvpark.alloc import tune_allocator
+from kvpark.fingerprints import fingerprint_problem
 
 from . import cli_fleet, cli_top
 from ._errors import KVParkError, RPCError, UsageError
@@ -220,9 +221,10 @@ def _status_row(s: IdStatus) -> str:
     reason = f" ({s.reason})" if s.reason else ""
     total = s.total_chunks or "?"
     lease = f" lease {s.lease_remaining_s:.1f}s" if s.lease_remaining_s else ""
+    fingerprint = f"\tfingerprint {s.fingerprint.hex()}" if s.fingerprint else ""
     return (
         f"{s.kv_request_id}\t{s.state}{reason}\tchunks {s.chunks_parked}/{total}\t"
-        f"{s.bytes} bytes\tage {s.age_s:.1f}s{lease}"
+        f"{s.bytes} bytes\tage {s.age_s:.1f}s{lease}{fingerprint}"
     )
 
 
@@ -273,7 +275,7 @@ def _lookup(args: argparse.Namespace) -> int:
         return EXIT_FAILED if failed else EXIT_OK
     with connection.consumer(args.target) as client:
         states = client.lookup(args.ids, timeout=args.rpc_timeout)
-    _emit(args, [asdict(s) for s in states], "\n".join(_status_row(s) for s in states))
+    _emit(args, [s.as_json() for s in states], "\n".join(_status_row(s) for s in states))
     return EXIT_OK
 
 
@@ -292,6 +294,13 @@ def _fetch_args(parser: argparse.ArgumentParser) -> None:
         "--out", required=True, metavar="FILE", help="where to write the bytes ('-' = stdout)"
     )
     parser.add_argument("--expected-epoch", type=int, default=0, metavar="EPOCH")
+    parser.add_argument(
+        "--fingerprint",
+        type=fingerprint_argument,
+        metavar="HEX",
+        help="fetch only if the id was parked with this fingerprint, in hex as `kvpark lookup` "
+        "shows it (otherwise it fails FINGERPRINT_MISMATCH and the id stays parked)",
+    )
     parser.add_argument(
         "--timeout",
         type=positive_seconds,
@@ -325,6 +334,7 @@ def _fetch(args: argparse.Namespace) -> int:
             expected_epoch=args.expected_epoch,
             timeout=timeout,
             wait_timeout_s=args.wait or 0.0,
+            fingerprint=args.fingerprint,
             confirm=False,
         )
         if result.ok:
@@ -369,6 +379,18 @@ def _fetch(args: argparse.Namespace) -> int:
     if delivered:
         return EXIT_OK
     return EXIT_RPC if _did_not_get_through(result) else EXIT_FAILED
+
+
+def fingerprint_argument(text: str) -> bytes:
+    """argparse type of `--fingerprint`: hex, as lookup prints it, within the contract's size."""
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected hex digits, got {text!r}") from None
+    problem = fingerprint_problem(value) if value else "empty"
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 # The fetch summary's reason when the bytes were loaded but could not all be written out.

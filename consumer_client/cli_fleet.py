@@ -192,6 +192,6 @@ def fleet_lookup(
             continue
         for status in answer.value:
             rows.append(lookup_row(answer.target, status))
-            documents.append({"target": answer.target, "ok": True, **asdict(status)})
+            documents.append({"target": answer.target, "ok": True, **status.as_json()})
     print(json.dumps(documents, default=str) if args.json else table(LOOKUP_HEADER, rows))
     return report_failures("lookup", answers)

@@ -277,6 +277,7 @@ class IdStatus(NamedTuple):
     nbytes: int = 0
     age_s: float = 0.0
     lease_remaining_s: float = 0.0
+    fingerprint: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1017,6 +1018,7 @@ class Lot:
                 nbytes=entry.nbytes,
                 age_s=now - since,
                 lease_remaining_s=self._timer_remaining(entry, now),
+                fingerprint=entry.fingerprint or b"",
             )
         tomb = self._tombstones.get(kid)
         if tomb is not None:

@@ -685,6 +685,7 @@ def _add_states(states: Any, statuses: list[IdStatus]) -> None:
             bytes=s.nbytes,
             age_s=s.age_s,
             lease_remaining_s=s.lease_remaining_s,
+            fingerprint=s.fingerprint,
         )
 
 

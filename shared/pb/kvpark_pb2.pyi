@@ -298,7 +298,7 @@ class LookupResponse(_message.Message):
     def __init__(self, states: _Optional[_Iterable[_Union[IdState, _Mapping]]] = ...) -> None: ...
 
 class IdState(_message.Message):
-    __slots__ = ("kv_request_id", "state", "reason", "chunks_parked", "total_chunks", "bytes", "age_s", "lease_remaining_s")
+    __slots__ = ("kv_request_id", "state", "reason", "chunks_parked", "total_chunks", "bytes", "age_s", "lease_remaining_s", "fingerprint")
     KV_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class IdState(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     kv_request_id: str
     state: State
     reason: FailureReason
@@ -315,7 +316,8 @@ class IdState(_message.Message):
     bytes: int
     age_s: float
     lease_remaining_s: float
-    def __init__(self, kv_request_id: _Optional[str] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., chunks_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., age_s: _Optional[float] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    fingerprint: bytes
+    def __init__(self, kv_request_id: _Optional[str] = ..., state: _Optional[_Union[State, str]] = ..., reason: _Optional[_Union[FailureReason, str]] = ..., chunks_parked: _Optional[int] = ..., total_chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., age_s: _Optional[float] = ..., lease_remaining_s: _Optional[float] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

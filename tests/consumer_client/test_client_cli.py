@@ -14,6 +14,7 @@ from conftest import ProducerProcess, free_port, park, running_producer, stub_fo
 from consumer_support import in_thread, joined, park_sync, payload
 
 from kvpark.client import cli
+from kvpark.fingerprints import fingerprint
 
 
 async def run_cli(*argv: str) -> int:
@@ -62,6 +63,37 @@ async def test_info_lookup_fetch_release(
         assert capsys.readouterr().out.strip() == "released cli-2"
         assert await run_cli(*t, "release", "cli-2") == cli.EXIT_FAILED
         assert "RELEASED" in capsys.readouterr().out
+
+
+async def test_lookup_shows_the_fingerprint_and_fetch_checks_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, theirs = fingerprint("model-a", [1, 2, 3]), fingerprint("model-b", [1, 2, 3])
+    async with running_producer() as server, stub_for(server) as stub:
+        chunks = payload(2, 3000)
+        await park(stub, "fp", chunks, total=2, fingerprint=ours)
+        t = ("--target", server.target)
+
+        assert await run_cli(*t, "lookup", "fp") == cli.EXIT_OK
+        assert f"fingerprint {ours.hex()}" in capsys.readouterr().out
+        assert await run_cli(*t, "--json", "lookup", "fp") == cli.EXIT_OK
+        assert json.loads(capsys.readouterr().out)[0]["fingerprint"] == ours.hex()
+
+        out = tmp_path / "kv.bin"
+        code = await run_cli(*t, "--json", "fetch", "fp", "--fingerprint", theirs.hex(),
+                             "--out", str(out))  # fmt: skip
+        assert code == cli.EXIT_FAILED and not out.exists()
+        assert json.loads(capsys.readouterr().out)["reason"] == "FINGERPRINT_MISMATCH"
+        # The refused fetch left the id parked: the right fingerprint gets its bytes.
+        code = await run_cli(*t, "fetch", "fp", "--fingerprint", ours.hex(), "--out", str(out))
+        assert code == cli.EXIT_OK and out.read_bytes() == joined(chunks)
+        capsys.readouterr()
+
+    for bad, why in (("zz", "expected hex digits"), ("", "empty"), ("ab" * 65, "at most 64")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["fetch", "x", "--out", "-", "--fingerprint", bad])
+        assert exit_.value.code == cli.EXIT_USAGE
+        assert why in capsys.readouterr().err
 
 
 async def test_exit_codes_for_usage_and_unreachable(capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,6 +43,7 @@ async def test_a_fetch_gets_the_id_only_with_its_fingerprint_or_none() -> None:
         assert f"expected is {THEIRS[:8].hex()}" in done.detail
         state = await state_of(stub, "kv")
         assert state.state == pb.STATE_PARKED and state.chunks_parked == 2
+        assert state.fingerprint == OURS  # Lookup shows which prompt the id holds
         got = await fetch_all(stub, "kv", expected_fingerprint=OURS)
         assert got[-1].done.status == pb.STATUS_OK
         assert b"".join(m.chunk.data for m in got[:-1]) == CHUNKS[0] + CHUNKS[1]
@@ -57,7 +58,8 @@ async def test_an_id_parked_without_a_fingerprint_fails_a_fetch_that_expects_one
         done = ended(await fetch_all(stub, "kv", expected_fingerprint=OURS))
         assert done.reason == pb.REASON_FINGERPRINT_MISMATCH
         assert "parked is none" in done.detail
-        assert (await state_of(stub, "kv")).state == pb.STATE_PARKED
+        state = await state_of(stub, "kv")
+        assert state.state == pb.STATE_PARKED and state.fingerprint == b""
         server.lot.check_invariants()
 
 
