@@ -575,7 +575,10 @@ class Lot:
             self._parked_bytes += nbytes_chunk
             self.parked_bytes_total += nbytes_chunk
         batch.pending.clear()
-        if entry.fingerprint is None:
+        if entry.fingerprint is None and entry.chunks:
+            # Fixed by the first commit that makes the id visible: an empty batch parks
+            # nothing, so it fixes nothing either (a Fetch waiting for the id would be refused,
+            # and the id's real batch too, for KV that is not there).
             entry.fingerprint = batch.fingerprint
         if not entry.total_chunks and entry.chunks:
             self._set_total(entry, max(entry.chunks) + 1)

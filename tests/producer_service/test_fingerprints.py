@@ -77,6 +77,28 @@ async def test_a_fetch_bound_before_the_first_commit_is_judged_by_it() -> None:
         server.lot.check_invariants()
 
 
+async def test_an_empty_commit_fixes_no_fingerprint() -> None:
+    """A batch that commits no chunk parks nothing: a Fetch already waiting for the id with a
+    fingerprint, and the batch that brings the KV with it, are judged by the real commit."""
+    async with running_producer() as server, stub_for(server) as stub:
+        waiting = asyncio.ensure_future(
+            fetch_all(stub, "kv", expected_fingerprint=OURS, wait_timeout_s=10)
+        )
+        await wait_until(lambda: server.lot.bound_count == 1, what="the early Fetch bound")
+        real = stub.Park()
+        for message in park_requests("kv", CHUNKS, total=2, fingerprint=OURS)[:-1]:
+            await real.write(message)
+        await wait_until(lambda: server.lot.statistics().open_batches == 1, what="batch open")
+        assert (await park(stub, "kv", {})).status == pb.STATUS_OK  # empty, no fingerprint
+        assert (await state_of(stub, "kv")).fingerprint == b""
+        await real.write(park_requests("kv", CHUNKS)[-1])
+        assert (await real).status == pb.STATUS_OK
+        got = await asyncio.wait_for(waiting, 10)
+        assert got[-1].done.status == pb.STATUS_OK, got[-1].done
+        assert b"".join(m.chunk.data for m in got[:-1]) == CHUNKS[0] + CHUNKS[1]
+        server.lot.check_invariants()
+
+
 async def test_every_batch_of_an_id_names_the_same_fingerprint() -> None:
     async with running_producer() as server, stub_for(server) as stub:
         first = {0: CHUNKS[0]}
