@@ -189,6 +189,11 @@ class ParkBatch:
     # Pool pages this batch's chunks hold (bounded by max_batch_pages): whole pages, so that
     # many small chunks cannot hold more of the pool than their bytes suggest.
     held_pages: int = 0
+    # Bytes of chunks re-sent by reference that the batch or the id already held: they take
+    # no pages, but a comparison each on a data thread, which a few bytes of ChunkRef would
+    # otherwise buy without end. Bounded by what one re-send of everything needs: the id's
+    # committed bytes plus a batch's worth.
+    compared_bytes: int = 0
     # Slots being filled from a lent buffer by a worker thread: the batch owns them, and they
     # are freed only by `end_fill`, never under the thread that writes them.
     filling: set[SlotHandle] = field(default_factory=set)
@@ -480,6 +485,13 @@ class Lot:
             if same.handle.nbytes != nbytes:
                 detail = f"chunk {chunk_id} was parked with other bytes"
                 return self._undo(batch, Refusal(CHUNK_CONFLICT, detail))
+            batch.compared_bytes += nbytes
+            if batch.compared_bytes > entry.nbytes + self.max_batch_bytes:
+                detail = (
+                    f"chunks re-sent by reference add up to more than the id holds plus "
+                    f"max_batch_bytes {self.max_batch_bytes}: each is compared with its copy"
+                )
+                return self._undo(batch, Refusal(TOO_LARGE, detail))
             return Resent(same)
         if batch.held_pages + self.pool.pages_for(nbytes) > self.max_batch_pages:
             return self._undo(batch, Refusal(TOO_LARGE, self._too_large_detail(None)))

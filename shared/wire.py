@@ -297,17 +297,37 @@ ParkMessage = pb.ParkHeader | ChunkView | pb.ParkCommit | pb.ChunkRefs
 FetchMessage = ChunkView | pb.TransferDone | pb.DataOffer | pb.ChunksPlaced
 
 
+# Chunk references per ChunkRefs message, and the bytes such a message may take (a ChunkRef
+# encodes in at most 36). The producer parses a message and starts its copies on its event
+# loop, ~15 µs per reference: unbounded, one message of the received-message limit (millions
+# of references) would hold every other call for tens of seconds. The bundled clients send 64.
+MAX_REFS_PER_MESSAGE = 256
+MAX_CHUNK_REFS_BYTES = MAX_REFS_PER_MESSAGE * 64
+
+
 def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
     """A ParkRequest as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
     name, bodies = _oneof(buf, _PARK_MEMBERS)
     if name == "chunk":
         return parse_chunk(*bodies)
+    # Sized before anything walks it: the checks below cost per reference.
+    if name == "chunk_refs" and sum(len(body) for body in bodies) > MAX_CHUNK_REFS_BYTES:
+        raise WireError(
+            f"ChunkRefs of more than {MAX_CHUNK_REFS_BYTES} bytes: at most "
+            f"{MAX_REFS_PER_MESSAGE} references per message, send the rest in more"
+        )
     if name:
         message_type = _PARK_MESSAGES[name]
+        message: ParkMessage = _merged(message_type, bodies)
+        # Counted (protobuf's C parser) before the wire types are checked (Python, per field).
+        if isinstance(message, pb.ChunkRefs) and len(message.refs) > MAX_REFS_PER_MESSAGE:
+            raise WireError(
+                f"ChunkRefs names {len(message.refs)} chunks: at most {MAX_REFS_PER_MESSAGE} "
+                "per message, send the rest in more"
+            )
         for body in bodies:
             _check_wire_types(message_type.DESCRIPTOR, body)
-        message: ParkMessage = _merged(message_type, bodies)
         return message
     return None
 

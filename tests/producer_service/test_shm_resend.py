@@ -2,8 +2,10 @@
 batch sent inline (docs/protocol.md, Park): chunks the id already holds with the same bytes are
 accepted and stored once, taking no pages, so such a re-send neither evicts a delivered id for
 room it does not need nor counts against max_batch_bytes; other bytes under a held chunk id
-are a CHUNK_CONFLICT that keeps the id as it was. Real producer, generated stubs, a real lend
-over the shm socket."""
+are a CHUNK_CONFLICT that keeps the id as it was. What a ChunkRef costs the producer is
+bounded: a batch compares at most the id's bytes plus a batch's worth (beyond: TOO_LARGE), and
+a ChunkRefs message names at most 256 chunks (beyond: INVALID_ARGUMENT, before it is walked).
+Real producer, generated stubs, a real lend over the shm socket."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import grpc
+import pytest
 from conftest import fetch_all, park, running_producer, state_of, stub_for
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
+from kvpark.wire import MAX_REFS_PER_MESSAGE
 
 PAGE = 256 * 1024
 
@@ -105,4 +110,68 @@ async def test_a_whole_id_resent_is_not_counted_against_max_batch_bytes(shm_sock
             answer = await stub.Park(iter(by_reference("kv", lend_id, chunks)))
         assert answer.status == pb.STATUS_OK, answer
         assert server.pool.free_bytes == free
+        server.lot.check_invariants()
+
+
+def naming(kid: str, lend_id: str, refs: list[pb.ChunkRef]) -> list[pb.ParkRequest]:
+    """One batch of one ChunkRefs message holding `refs` as given, repeats included."""
+    commit = pb.ParkCommit(chunks=len(refs), bytes=sum(r.nbytes for r in refs))
+    return [
+        pb.ParkRequest(header=pb.ParkHeader(kv_request_id=kid, shm_lend_id=lend_id)),
+        pb.ParkRequest(chunk_refs=pb.ChunkRefs(refs=refs)),
+        pb.ParkRequest(commit=commit),
+    ]
+
+
+async def test_a_held_chunk_named_over_and_over_is_compared_only_within_a_bound(
+    shm_socket: str,
+) -> None:
+    """Each reference to a chunk the id holds costs a full comparison on a data thread; a
+    batch of a few bytes per reference may not buy more than one re-send of everything."""
+    chunk = bytes(range(256)) * (PAGE // 256)
+    settings = {
+        "pool_bytes": 16 * PAGE,
+        "max_chunk_bytes": PAGE,
+        "max_batch_share": 0.25,
+        "shm_socket": shm_socket,
+    }
+    async with running_producer(**settings) as server, stub_for(server) as stub:
+        assert server.lot.max_batch_bytes == 4 * PAGE
+        assert (await park(stub, "kv", {0: chunk}, total=1)).status == pb.STATUS_OK
+        again = pb.ChunkRef(chunk_id=0, crc32c=crc32c_of(chunk), offset=0, nbytes=PAGE)
+        async with lent(shm_socket, 1) as (buffer, lend_id):
+            write(buffer, {0: chunk})
+            # The id's one page plus a batch's four: five comparisons pass, the sixth does not.
+            fits = await stub.Park(iter(naming("kv", lend_id, [again] * 5)))
+            assert fits.status == pb.STATUS_OK, fits
+            answer = await stub.Park(iter(naming("kv", lend_id, [again] * 6)))
+        assert (answer.status, answer.reason) == (pb.STATUS_FAILED, pb.REASON_TOO_LARGE), answer
+        assert "compared" in answer.detail
+        state = await state_of(stub, "kv")
+        assert (state.state, state.chunks_parked) == (pb.STATE_PARKED, 1)
+        server.lot.check_invariants()
+        fetched = await fetch_all(stub, "kv")
+    assert fetched[-1].done.status == pb.STATUS_OK
+    assert fetched[0].chunk.data == chunk
+
+
+# 257 is counted; 1,000 (24 KB) is over the message size a ChunkRefs may take, refused unread.
+@pytest.mark.parametrize("refs", [MAX_REFS_PER_MESSAGE + 1, 1000])
+async def test_a_chunk_refs_message_names_at_most_256_chunks(shm_socket: str, refs: int) -> None:
+    """Refused whole, before the producer walks the references one by one on its event loop;
+    the id keeps what it held."""
+    chunk = b"k" * PAGE
+    settings = {"pool_bytes": 16 * PAGE, "max_chunk_bytes": PAGE, "shm_socket": shm_socket}
+    async with running_producer(**settings) as server, stub_for(server) as stub:
+        assert (await park(stub, "kv", {0: chunk}, total=1)).status == pb.STATUS_OK
+        again = pb.ChunkRef(chunk_id=0, crc32c=crc32c_of(chunk), offset=0, nbytes=PAGE)
+        async with lent(shm_socket, 1) as (buffer, lend_id):
+            write(buffer, {0: chunk})
+            with pytest.raises(grpc.RpcError) as refused:
+                await stub.Park(iter(naming("kv", lend_id, [again] * refs)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"at most {MAX_REFS_PER_MESSAGE}" in (refused.value.details() or "")
+        state = await state_of(stub, "kv")
+        assert (state.state, state.chunks_parked) == (pb.STATE_PARKED, 1)
+        assert server.lot.statistics().open_batches == 0
         server.lot.check_invariants()
