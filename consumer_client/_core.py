@@ -30,7 +30,7 @@ from kvpark.ids import MAX_CHUNKS, check_id
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import FETCH_ROLE
 
-from ._buffers import ChunkBuffers, Destination, IntoBuffer, destination_for
+from ._buffers import ChunkBuffers, Destination, IntoBuffer, OwnedBuffer, destination_for
 from ._channel import ChannelSettings
 from ._data_connections import DataConnections
 from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
@@ -313,6 +313,7 @@ class ClientCore:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait,
             on_chunk=on_chunk,
+            max_chunk_bytes=self.channel.max_chunk_bytes,
             fingerprint=bytes(fingerprint or b""),
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
@@ -328,19 +329,24 @@ class ClientCore:
     ) -> ShmTarget | None:
         """Where a load's chunks land over shared memory: `into` itself when it lies in a
         buffer this client lent (one copy, by the producer), else a lent staging buffer (one
-        copy more, by the client); None when shared memory is not for this load. Lending ends
-        by `lend_by` (time.monotonic()), both tries together."""
-        if self.transport not in ("auto", "shm") or not isinstance(destination, IntoBuffer):
+        copy more, by the client: also for one destination per chunk, scattered from there);
+        None when shared memory is not for this load, or its destinations are asked for one
+        at a time (a callable: no size to stage). Lending ends by `lend_by`
+        (time.monotonic()), both tries together."""
+        if self.transport not in ("auto", "shm") or isinstance(destination, OwnedBuffer):
+            return None
+        capacity = destination.capacity
+        if capacity is None:
             return None
 
         def left() -> float | None:
             return None if lend_by is None else max(0.0, lend_by - time.monotonic())
 
-        lent = self.shm.lend_of(destination.array_view, left())
-        if lent is not None:
-            lend_id, view, offset, length = lent
-            return ShmTarget(lend_id, view, offset, length, direct=True)
-        capacity = destination.capacity or 0
+        if isinstance(destination, IntoBuffer):
+            lent = self.shm.lend_of(destination.array_view, left())
+            if lent is not None:
+                lend_id, view, offset, length = lent
+                return ShmTarget(lend_id, view, offset, length, direct=True)
         staged = self.shm.staging(capacity, left())
         if staged is None:
             return None

@@ -91,6 +91,7 @@ class LoadSession:
         expected_epoch: int,
         wait_timeout_s: float,
         on_chunk: OnChunk | None,
+        max_chunk_bytes: int,
         fingerprint: bytes = b"",
         accept: Sequence[pb.Transport] = (),
         shm: ShmTarget | None = None,
@@ -112,6 +113,9 @@ class LoadSession:
         )  # fmt: skip
         self.chunk_ids = chunk_ids
         self.expected_epoch = expected_epoch
+        # The largest chunk this client takes: what the producer announces for a chunk out of
+        # band is checked against it before any buffer is sized by it.
+        self.max_chunk_bytes = max_chunk_bytes
         self._dest = destination
         self._on_chunk = on_chunk
         self._clock = clock
@@ -163,6 +167,7 @@ class LoadSession:
             expected_epoch=expected_epoch,
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
+            max_chunk_bytes=self.max_chunk_bytes,
             fingerprint=fingerprint,
             clock=self._clock,
         )
@@ -246,8 +251,16 @@ class LoadSession:
             return index
         return self.chunk_ids[index] if index < len(self.chunk_ids) else None
 
-    def expected_chunk(self, chunk_id: int) -> Step | None:
-        """None when `chunk_id` is the next requested chunk, else the step of giving up."""
+    def expected_chunk(self, chunk_id: int, nbytes: int, most: int | None = None) -> Step | None:
+        """None when `chunk_id` is the next requested chunk and `nbytes` a size a chunk may
+        have (1 to `most`, by default max_chunk_bytes: docs/protocol.md), else the step of
+        giving up."""
+        most = self.max_chunk_bytes if most is None else most
+        if not 0 < nbytes <= most:
+            return self._abandon(
+                Reason.PROTOCOL_ERROR,
+                f"chunk {chunk_id} of {nbytes} bytes: a chunk has 1 to {most}",
+            )
         expected = self._next_requested()
         if expected is None:
             return self._abandon(
@@ -286,7 +299,15 @@ class LoadSession:
         if isinstance(self._dest, OwnedBuffer):
             self._dest.keep(parts)
         self._dest.landed(nbytes)
-        return self._counted(chunk_id, parts[0] if len(parts) == 1 else memoryview(b""), nbytes)
+        return self._counted(chunk_id, self._joined(parts), nbytes)
+
+    def _joined(self, parts: list[memoryview]) -> memoryview:
+        """The chunk's bytes as one view for `on_chunk`, as the gRPC stream hands them: the
+        destination itself when it is one buffer; for a chunk read into several, a copy made
+        only when someone looks."""
+        if len(parts) == 1:
+            return parts[0]
+        return memoryview(b"".join(parts) if self._on_chunk is not None else b"")
 
     def _placed(self, placed: pb.ChunkPlaced) -> Step:
         """A chunk the producer copied into this client's lent buffer (TRANSPORT_SHM)."""
@@ -300,7 +321,9 @@ class LoadSession:
                 Reason.PROTOCOL_ERROR,
                 f"chunk {placed.chunk_id} placed at {placed.offset}, not at {self._dest.nbytes}",
             )
-        refused = self.expected_chunk(placed.chunk_id)
+        # Bounded by the lent range (checked above), not by max_chunk_bytes: that is the
+        # limit of a gRPC message, which a placement is not.
+        refused = self.expected_chunk(placed.chunk_id, placed.nbytes, most=shm.length)
         if refused is not None:
             return refused
         start = shm.offset + placed.offset
@@ -311,7 +334,7 @@ class LoadSession:
         return self._chunk(view)  # verified, then copied from the staging range to `into`
 
     def _chunk(self, chunk: wire.ChunkView) -> Step:
-        refused = self.expected_chunk(chunk.chunk_id)
+        refused = self.expected_chunk(chunk.chunk_id, len(chunk.data))
         if refused is not None:
             return refused
         index, expected = self.chunks_loaded, chunk.chunk_id

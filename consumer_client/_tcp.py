@@ -260,7 +260,7 @@ class TcpReceiver:
                     ended = True
                     return Step.CONTINUE  # ... and keeps the connection for our next load
                 chunk_id, crc32c, nbytes = header
-                refused = session.expected_chunk(chunk_id)
+                refused = session.expected_chunk(chunk_id, nbytes)
                 if refused is not None:
                     return refused
                 parts = session.parts_for(chunk_id, nbytes)

@@ -307,6 +307,7 @@ def _session(chunk_ids: tuple[int, ...] | None, into: object = None) -> LoadSess
         expected_epoch=0,
         wait_timeout_s=0.0,
         on_chunk=None,
+        max_chunk_bytes=16 << 20,
     )
 
 
@@ -524,6 +525,7 @@ def test_a_chunk_placed_anywhere_but_right_after_the_last_is_a_protocol_error(
         expected_epoch=0,
         wait_timeout_s=0.0,
         on_chunk=None,
+        max_chunk_bytes=16 << 20,
         shm=shm,
     )
     lent[:4] = 1

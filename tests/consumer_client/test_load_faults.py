@@ -24,8 +24,8 @@ import pytest
 from conftest import MiB, free_port, running_producer, wait_for, wait_until
 
 from kvpark import AsyncKVConsumer, BufferTooSmallError, KVConsumer, KVParker, Reason, Timeout
-from kvpark.client._buffers import IntoBuffer
-from kvpark.client._session import LoadSession
+from kvpark.client._buffers import IntoBuffer, destination_for
+from kvpark.client._session import LoadSession, Step
 from kvpark.client._tcp import TcpReceiver
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
@@ -92,6 +92,7 @@ def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -
             expected_epoch=0,
             wait_timeout_s=0.0,
             on_chunk=None,
+            max_chunk_bytes=16 << 20,
             accept=(pb.TRANSPORT_TCP,),
         )
         offer = pb.DataOffer(
@@ -108,6 +109,49 @@ def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -
             stop.set()
             producer.join()
             receiving.join()
+
+
+@pytest.mark.parametrize("nbytes", [0, 1 << 62, (16 << 20) + 1])
+def test_a_data_frame_of_a_size_no_chunk_has_is_a_protocol_error(nbytes: int) -> None:
+    """A producer out of step (or not a producer) announcing an empty chunk, or one beyond
+    the client's max_chunk_bytes: the load gives up PROTOCOL_ERROR before any buffer is sized
+    by it (no MemoryError, no BufferTooSmallError blaming the caller, no empty chunk counted)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def announce() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                got = 0
+                while got < TICKET_BYTES:
+                    got += len(conn.recv(TICKET_BYTES - got))
+                conn.sendall(ACCEPTED + header(0, 0, nbytes))
+                conn.recv(1)  # until the client closes
+
+        producer = threading.Thread(target=announce)
+        producer.start()
+        session = LoadSession(
+            kv_request_id="k",
+            chunk_ids=(0,),
+            destination=destination_for(None),  # no `into`: the announced size would be allocated
+            timeout=Timeout(PROMPTLY_S),
+            expected_epoch=0,
+            wait_timeout_s=0.0,
+            on_chunk=None,
+            max_chunk_bytes=16 << 20,
+            accept=(pb.TRANSPORT_TCP,),
+        )
+        offer = pb.DataOffer(
+            transport=pb.TRANSPORT_TCP, address=f"127.0.0.1:{port}", ticket=b"t" * TICKET_BYTES
+        )
+        try:
+            step = TcpReceiver(offer, f"127.0.0.1:{port}", None).run(session)
+        finally:
+            producer.join(PROMPTLY_S)
+    result = session.result(None)
+    assert step is Step.ABANDON
+    assert result.reason is Reason.PROTOCOL_ERROR and f"of {nbytes} bytes" in result.detail
+    assert result.chunks_loaded == 0
 
 
 async def test_cancelling_an_async_tcp_load_ends_it_at_once() -> None:

@@ -199,6 +199,38 @@ async def test_a_consumer_that_gives_up_mid_transfer_leaves_the_id_parked(
         server.lot.check_invariants()
 
 
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+async def test_on_chunk_sees_each_chunks_bytes_also_when_it_lands_in_pieces(
+    transport: str, shm_socket: str
+) -> None:
+    """A paged destination (each chunk in two halves, as a layer's K and V): `on_chunk` gets
+    the chunk's bytes whatever carried them, as for one buffer."""
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        data = chunks(3, seed=7)
+
+        def run() -> tuple[Any, list[bytes], list[np.ndarray]]:
+            seen: list[bytes] = []
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
+            ):
+                whole = destination(c, transport, 3)  # pieces of a shared buffer for shm
+                halves = [whole[i * CHUNK // 2 : (i + 1) * CHUNK // 2] for i in range(6)]
+                assert parker.park("paged", data).ok
+                loaded = c.load(
+                    "paged",
+                    num_chunks=3,
+                    into=[halves[2 * i : 2 * i + 2] for i in range(3)],
+                    on_chunk=lambda index, chunk_id, view: seen.append(bytes(view)),
+                )
+            return loaded, seen, halves
+
+        loaded, seen, halves = await in_thread(run)
+    assert loaded.ok and loaded.transport == transport, loaded
+    assert seen == [d.tobytes() for d in data]
+    assert joined(halves) == joined(data)
+
+
 @pytest.mark.parametrize("error", [OSError(28, "no space left"), TimeoutError("queue full")])
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
 async def test_what_on_chunk_raises_reaches_the_caller_on_every_transport(
