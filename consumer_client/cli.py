@@ -326,6 +326,7 @@ def _fetch(args: argparse.Namespace) -> int:
             raise UsageError(f"--chunk-ids: expected integers, got {args.chunk_ids!r}") from None
     timeout = Timeout(args.timeout, first_chunk_s=args.first_chunk_timeout)
     write_error: str | None = None
+    confirm_error: str | None = None
     with client_from_args(args) as client:
         result = client.load(
             args.id,
@@ -343,7 +344,12 @@ def _fetch(args: argparse.Namespace) -> int:
             # Confirmed only once every byte is out: otherwise the id stays on the producer
             # for a retry within its delivery grace.
             if write_error is None:
-                client.confirm(result)
+                # The file is complete either way: a confirm that does not get through only
+                # leaves the id parked until the producer's delivery grace frees it.
+                try:
+                    client.confirm(result)
+                except KVParkError as exc:
+                    confirm_error = str(exc)
     delivered = result.ok and write_error is None
     summary = {
         "kv_request_id": result.kv_request_id,
@@ -355,6 +361,7 @@ def _fetch(args: argparse.Namespace) -> int:
         "elapsed_s": round(result.elapsed_s, 6),
         "producer_epoch": result.producer_epoch,
         "out": args.out if delivered else None,
+        "confirmed": delivered and confirm_error is None,
     }
     if write_error is not None:
         summary |= {"reason": OUTPUT_FAILED, "detail": write_error}
@@ -367,6 +374,12 @@ def _fetch(args: argparse.Namespace) -> int:
             f"fetched {result.kv_request_id}: {result.chunks_loaded} chunks, {result.bytes} "
             f"bytes in {result.elapsed_s:.3f}s -> {args.out}"
         )
+        if confirm_error is not None:
+            summary["confirm_error"] = confirm_error
+            text += (
+                f"; not confirmed ({confirm_error}): the producer frees the id after its "
+                "delivery grace"
+            )
     else:
         text = (
             f"fetch {result.kv_request_id} failed: {result.reason} after {result.chunks_loaded}"
@@ -374,7 +387,7 @@ def _fetch(args: argparse.Namespace) -> int:
             " (nothing written)"
         )
     # With --out - the payload owns stdout; a failure to write is reported on stderr.
-    to_stderr = args.out == "-" or write_error is not None
+    to_stderr = args.out == "-" or write_error is not None or confirm_error is not None
     _emit(args, summary, text, sys.stderr if to_stderr else None)
     if delivered:
         return EXIT_OK

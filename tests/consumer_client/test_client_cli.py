@@ -4,6 +4,7 @@ installed command in a subprocess; exit codes; the subcommand registry and its p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,6 +20,12 @@ from kvpark.fingerprints import fingerprint
 
 async def run_cli(*argv: str) -> int:
     return int(await in_thread(cli.main, list(argv)))
+
+
+def installed_kvpark() -> list[str]:
+    """The `kvpark` command as installed next to this Python (else run as a module)."""
+    script = Path(sys.executable).parent / "kvpark"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "consumer_client"]
 
 
 async def test_info_lookup_fetch_release(
@@ -120,12 +127,12 @@ def test_installed_command_against_a_producer_process(
     producer = producer_process()
     chunks = payload(2, 3000)
     park_sync(producer.target, "proc-id", chunks, total=2)
-    script = Path(sys.executable).parent / "kvpark"
-    base = [str(script)] if script.exists() else [sys.executable, "-m", "consumer_client"]
 
     def run(*argv: str) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(
-            [*base, "--target", producer.target, *argv], capture_output=True, timeout=60
+            [*installed_kvpark(), "--target", producer.target, *argv],
+            capture_output=True,
+            timeout=60,
         )
 
     info = run("--json", "info")
@@ -137,6 +144,39 @@ def test_installed_command_against_a_producer_process(
     assert b"fetched proc-id" in fetched.stderr
     looked = run("lookup", "proc-id")
     assert looked.returncode == 0 and b"TOMBSTONED (ALREADY_CONSUMED)" in looked.stdout
+
+
+def test_a_fetch_whose_confirm_does_not_get_through_still_delivers_its_file(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    """The file is complete once written; a producer killed before the confirm leaves only an
+    unconfirmed delivery (the producer would free it after its grace), which the fetch
+    reports without failing."""
+    producer = producer_process()
+    chunks = payload(4, 256 * 1024)  # more than a pipe holds: the writer waits for our reads
+    park_sync(producer.target, "gone", chunks, total=4)
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    argv = ["--target", producer.target, "--rpc-timeout", "5", "--json"]
+    fetch = subprocess.Popen(
+        [*installed_kvpark(), *argv, "fetch", "gone", "--chunks", "4", "--out", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with open(fifo, "rb") as reader:
+            first = reader.read(1)  # the load is over: the fetch is writing its file
+            producer.proc.kill()
+            producer.proc.wait(timeout=10)
+            rest = reader.read()
+        _, err = fetch.communicate(timeout=60)
+    finally:
+        fetch.kill()
+    assert fetch.returncode == cli.EXIT_OK, err
+    assert first + rest == joined(chunks)
+    summary = json.loads(err)  # a warning: on stderr
+    assert summary["ok"] is True and summary["out"] == str(fifo)
+    assert summary["confirmed"] is False and summary["confirm_error"]
 
 
 def test_commands_are_registered_in_one_registry() -> None:
