@@ -286,6 +286,43 @@ _LISTENER = "listener"
 _WAKE = "wake"
 
 
+# How long a start waits for another start on the same socket path to finish.
+START_LOCK_WAIT_S = 5.0
+
+
+@contextlib.contextmanager
+def _start_lock(path: str) -> Iterator[None]:
+    """Held while a start clears a stale socket at `path` and puts its own in place. Without
+    it, two producers started at once on one path (a configuration mistake) could each take
+    the other's new socket, linked but not listening yet, for a stale one: one of them would
+    then serve a socket file nobody can reach, and say nothing. With it, the second start
+    finds the first listening and refuses to start. The lock file (`path` + ".lock", mode
+    0600) stays beside the socket: removing it would open the same race again."""
+    lock_path = path + ".lock"
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(lock_path, flags, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileExistsError(errno.EEXIST, "exists and is not a regular file", lock_path)
+        deadline = time.monotonic() + START_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OSError(
+                        errno.EADDRINUSE,
+                        f"another process has been starting on this socket for "
+                        f"{START_LOCK_WAIT_S:g} s (it holds {lock_path})",
+                        path,
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class ShmLendingServer:
     """Serves `path`; `authorize(token, role)` returns None to allow a lend for `role`, else
     the refusal to answer; it runs on the serving thread, so it must be thread-safe and quick.
@@ -342,13 +379,14 @@ class ShmLendingServer:
             raise RuntimeError("ShmLendingServer.start() may be called once")
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, mode=0o750, exist_ok=True)  # group members must reach the socket
-        self._clear_stale_socket()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self._socket_identity = self._bind_privately(listener, parent)
-            # Only now, with the file in place at its mode: until listen() every connect is
-            # refused, so no client ever gets in under a wider mode.
-            listener.listen(64)
+            with _start_lock(self.path):
+                self._clear_stale_socket()
+                self._socket_identity = self._bind_privately(listener, parent)
+                # Only now, with the file in place at its mode: until listen() every connect
+                # is refused, so no client ever gets in under a wider mode.
+                listener.listen(64)
             listener.setblocking(False)
             self._wake_r, self._wake_w = socket.socketpair()
             self._wake_r.setblocking(False)

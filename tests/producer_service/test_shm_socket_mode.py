@@ -6,6 +6,8 @@ a stale socket, nothing else."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import socket
@@ -14,12 +16,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
+from kvpark.producer import shm_lending
 from kvpark.producer.shm_lending import ShmLendingServer
 
 STARTS = 200
@@ -54,8 +58,8 @@ def test_socket_is_0660_and_bound_in_a_private_directory(sock_dir: Path) -> None
             bound = client.getpeername()
         assert bound != str(path)
         assert os.path.dirname(os.path.dirname(bound)) == str(sock_dir)
-        # The private directory is gone, and nothing else was left beside the socket.
-        assert sorted(os.listdir(sock_dir)) == ["shm.sock"]
+        # The private directory is gone; beside the socket only the starts' lock file.
+        assert sorted(os.listdir(sock_dir)) == ["shm.sock", "shm.sock.lock"]
     finally:
         server.stop()
     assert not path.exists()
@@ -88,9 +92,85 @@ def test_a_stale_socket_is_replaced_and_a_live_one_refused(sock_dir: Path) -> No
         with pytest.raises(OSError, match="another process serves this socket"):
             second.start()
         second.stop()
-        assert sorted(os.listdir(sock_dir)) == ["shm.sock"]
+        assert sorted(os.listdir(sock_dir)) == ["shm.sock", "shm.sock.lock"]
     finally:
         first.stop()
+
+
+RACES = 100
+
+
+def start_two_at_once(path: Path) -> tuple[list[ShmLendingServer], list[OSError]]:
+    """Two lending servers on `path` whose starts run at the same moment: (those that
+    started, the errors of those that did not)."""
+    servers = [lending_server(path), lending_server(path)]
+    ready = threading.Barrier(2)
+    started: list[ShmLendingServer] = []
+    refused: list[OSError] = []
+
+    def start(server: ShmLendingServer) -> None:
+        ready.wait()
+        try:
+            server.start()
+            started.append(server)
+        except OSError as exc:
+            server.stop()
+            refused.append(exc)
+
+    threads = [threading.Thread(target=start, args=(server,)) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return started, refused
+
+
+def test_of_two_starts_at_once_on_a_stale_socket_one_serves_it_and_one_refuses(
+    sock_dir: Path,
+) -> None:
+    """Two producers configured with one socket path (a mistake) start at the same moment on
+    a stale socket file. Each start sees a socket file nobody listens on (the stale one, or
+    the other's, linked before it listens): without the start lock each could remove the
+    other's, leaving one serving a file that is gone. One must serve the path, the other
+    refuse to start."""
+    path = sock_dir / "shm.sock"
+    for _ in range(RACES):
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(path))
+        stale.close()
+        started, refused = start_two_at_once(path)
+        try:
+            assert len(started) == 1 and len(refused) == 1, refused
+            assert refused[0].errno == errno.EADDRINUSE
+            assert_serves_its_path(started[0], path)
+        finally:
+            for server in started:
+                server.stop()
+        assert not path.exists()
+
+
+def assert_serves_its_path(server: ShmLendingServer, path: Path) -> None:
+    """The socket file at `path` is `server`'s: a connection to it reaches that server."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(str(path))
+        wait_for(lambda: server.connection_count == 1, what="the connection served")
+
+
+def test_a_start_that_cannot_get_the_start_lock_gives_up_with_nothing_made(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = sock_dir / "shm.sock"
+    monkeypatch.setattr(shm_lending, "START_LOCK_WAIT_S", 0.2)
+    with open(f"{path}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another start, stuck
+        server = lending_server(path)
+        with pytest.raises(OSError, match="another process has been starting on this socket"):
+            server.start()
+        server.stop()
+        assert not path.exists()
+    server = lending_server(path)  # the lock is free again
+    server.start()
+    server.stop()
 
 
 ATTACKER = textwrap.dedent(
