@@ -199,6 +199,8 @@ def test_rule_none_means_no_limit_for_a_call(frozen: FrozenProducer) -> None:
     assert isinstance(outcome[0], ClientClosedError)
 
 
+# An unbounded client is warned, rightly, that its loads outlast the producer's tombstones.
+@pytest.mark.filterwarnings("ignore::kvpark.client.TimeoutConfigWarning")
 async def test_rule_none_means_no_limit_for_a_client() -> None:
     """A client made with `timeout=None` puts no deadline on a load: a fetch before park that
     the producer serves after 0.6 s succeeds, where a 0.3 s client would give up."""
