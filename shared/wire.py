@@ -16,8 +16,9 @@ merged with the earlier occurrence, which is the same as parsing the concatenati
 bodies; a oneof member replaces whichever other member was set before it; unknown fields are
 skipped. What protobuf would accept but we refuse with `WireError` (the producer answers
 INVALID_ARGUMENT): a known field with another wire type than its declared one (in a Chunk,
-and in every member of a ParkRequest), groups, and field numbers outside protobuf's range. A
-property test holds the two readings together.
+and in every member of a ParkRequest), groups, field numbers outside protobuf's range, and a
+message of more than MAX_FIELDS_PER_MESSAGE fields. A property test holds the two readings
+together.
 
 Field numbers (protos/kvpark/v1/kvpark.proto) written by hand here:
   Chunk         { chunk_id = 1 (varint); optional crc32c = 2 (fixed32); data = 3 (bytes) }
@@ -47,6 +48,12 @@ _PARK_CHUNK_TAG = b"\x12"  # ParkRequest.chunk: field 2, length-delimited
 _UINT32_MAX = 0xFFFFFFFF
 _UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 _MAX_FIELD_NUMBER = 2**29 - 1
+# Fields one message may have, counted over its whole parse (the top level, every body of its
+# member and the messages in those). The walks run in Python, ~2-3 µs per field, on the
+# producer's event loop: unbounded, one message of the receive limit made of empty unknown
+# fields (millions of them in a few MB) would hold every other call for seconds. What kvpark
+# sends has at most ~1,300 (a ChunkRefs of 256 references, 5 fields each).
+MAX_FIELDS_PER_MESSAGE = 2048
 # Declared wire type of every field we read by hand; any other wire type is refused.
 _CHUNK_WIRE_TYPES = {1: _VARINT, 2: _I32, 3: _LEN}
 
@@ -141,8 +148,18 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise WireError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
-    """Splits one message into (field number, wire type, value) triples.
+class _FieldBudget:
+    """The fields a message's parse may still walk (MAX_FIELDS_PER_MESSAGE in all)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_FIELDS_PER_MESSAGE
+
+
+def _fields(buf: memoryview, budget: _FieldBudget) -> list[tuple[int, int, int | memoryview]]:
+    """Splits one message into (field number, wire type, value) triples, each counted against
+    `budget`.
 
     LEN values are views into `buf`; varints/fixed are ints. Groups are refused (proto3 has
     none)."""
@@ -150,6 +167,9 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
     pos = 0
     end = len(buf)
     while pos < end:
+        budget.left -= 1
+        if budget.left < 0:
+            raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message")
         key, pos = _read_varint(buf, pos)
         field, wire_type = key >> 3, key & 7
         if not 0 < field <= _MAX_FIELD_NUMBER:
@@ -178,14 +198,15 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
     return out
 
 
-def parse_chunk(*bodies: memoryview) -> ChunkView:
+def parse_chunk(*bodies: memoryview, budget: _FieldBudget | None = None) -> ChunkView:
     """A Chunk from one serialized body, or from several that protobuf merges (the same as
     their concatenation): the last occurrence of each field wins. `data` stays a view."""
+    budget = budget or _FieldBudget()
     chunk_id = 0
     crc: int | None = None
     data = memoryview(b"")
     for body in bodies:
-        for field, wire_type, value in _fields(body):
+        for field, wire_type, value in _fields(body, budget):
             declared = _CHUNK_WIRE_TYPES.get(field)
             if declared is None:
                 continue  # unknown field: skipped, as protobuf does
@@ -203,12 +224,14 @@ def parse_chunk(*bodies: memoryview) -> ChunkView:
     return ChunkView(chunk_id, crc, data)
 
 
-def _oneof(buf: bytes | memoryview, choices: dict[int, str]) -> tuple[str, list[memoryview]]:
+def _oneof(
+    buf: bytes | memoryview, choices: dict[int, str], budget: _FieldBudget
+) -> tuple[str, list[memoryview]]:
     """The oneof member set at the end of the message, with the bodies that make it up: a
     member replaces any other set before it, and repeats of the same member merge."""
     name = ""
     bodies: list[memoryview] = []
-    for field, wire_type, value in _fields(memoryview(buf)):
+    for field, wire_type, value in _fields(memoryview(buf), budget):
         member = choices.get(field)
         if member is None:
             continue
@@ -248,12 +271,12 @@ def _wire_types(descriptor: Descriptor) -> dict[int, tuple[frozenset[int], Descr
     return out
 
 
-def _check_wire_types(descriptor: Descriptor, body: memoryview) -> None:
+def _check_wire_types(descriptor: Descriptor, body: memoryview, budget: _FieldBudget) -> None:
     """Refuses a known field of `body` (and of the messages in it) with another wire type
     than its declaration's, as parse_chunk does: protobuf would keep it as an unknown field
     and parse the message as if the field were unset."""
     declared = _wire_types(descriptor)
-    for field, wire_type, value in _fields(body):
+    for field, wire_type, value in _fields(body, budget):
         known = declared.get(field)
         if known is None:
             continue  # unknown field: skipped, as protobuf does
@@ -262,7 +285,7 @@ def _check_wire_types(descriptor: Descriptor, body: memoryview) -> None:
             raise WireError(f"{descriptor.name} field {field}: wire type {wire_type}")
         if message_type is not None:
             assert isinstance(value, memoryview)
-            _check_wire_types(message_type, value)
+            _check_wire_types(message_type, value, budget)
 
 
 def _merged(message_type: Any, bodies: list[memoryview]) -> Any:
@@ -308,36 +331,46 @@ MAX_CHUNK_REFS_BYTES = MAX_REFS_PER_MESSAGE * 64
 def parse_park_request(buf: bytes | memoryview) -> ParkMessage | None:
     """A ParkRequest as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, _PARK_MEMBERS)
+    budget = _FieldBudget()
+    name, bodies = _oneof(buf, _PARK_MEMBERS, budget)
     if name == "chunk":
-        return parse_chunk(*bodies)
-    # Sized before anything walks it: the checks below cost per reference.
-    if name == "chunk_refs" and sum(len(body) for body in bodies) > MAX_CHUNK_REFS_BYTES:
+        return parse_chunk(*bodies, budget=budget)
+    if not name:
+        return None
+    message_type = _PARK_MESSAGES[name]
+    refs = _chunk_refs(bodies) if name == "chunk_refs" else None
+    # Walked (bounded by the budget) before protobuf parses a member of unbounded size: its C
+    # parser takes ~0.1 s for a 30 MB body of empty unknown fields.
+    for body in bodies:
+        _check_wire_types(message_type.DESCRIPTOR, body, budget)
+    message: ParkMessage = refs if refs is not None else _merged(message_type, bodies)
+    return message
+
+
+def _chunk_refs(bodies: list[memoryview]) -> pb.ChunkRefs:
+    """A ChunkRefs within the per-message bounds: sized before anything walks it, then
+    parsed (protobuf's C parser, cheap at that size) and counted."""
+    if sum(len(body) for body in bodies) > MAX_CHUNK_REFS_BYTES:
         raise WireError(
             f"ChunkRefs of more than {MAX_CHUNK_REFS_BYTES} bytes: at most "
             f"{MAX_REFS_PER_MESSAGE} references per message, send the rest in more"
         )
-    if name:
-        message_type = _PARK_MESSAGES[name]
-        message: ParkMessage = _merged(message_type, bodies)
-        # Counted (protobuf's C parser) before the wire types are checked (Python, per field).
-        if isinstance(message, pb.ChunkRefs) and len(message.refs) > MAX_REFS_PER_MESSAGE:
-            raise WireError(
-                f"ChunkRefs names {len(message.refs)} chunks: at most {MAX_REFS_PER_MESSAGE} "
-                "per message, send the rest in more"
-            )
-        for body in bodies:
-            _check_wire_types(message_type.DESCRIPTOR, body)
-        return message
-    return None
+    refs: pb.ChunkRefs = _merged(pb.ChunkRefs, bodies)
+    if len(refs.refs) > MAX_REFS_PER_MESSAGE:
+        raise WireError(
+            f"ChunkRefs names {len(refs.refs)} chunks: at most {MAX_REFS_PER_MESSAGE} "
+            "per message, send the rest in more"
+        )
+    return refs
 
 
 def parse_fetch_response(buf: bytes | memoryview) -> FetchMessage | None:
     """A FetchResponse as its chunk (a view) or its other member (a generated message); None
     when no member is set."""
-    name, bodies = _oneof(buf, _FETCH_MEMBERS)
+    budget = _FieldBudget()
+    name, bodies = _oneof(buf, _FETCH_MEMBERS, budget)
     if name == "chunk":
-        return parse_chunk(*bodies)
+        return parse_chunk(*bodies, budget=budget)
     if name:
         message: FetchMessage = _merged(_FETCH_MESSAGES[name], bodies)
         return message

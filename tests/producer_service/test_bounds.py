@@ -289,6 +289,32 @@ async def test_a_long_id_list_lets_other_calls_run_between_its_slices() -> None:
     assert all(later > earlier for (_, earlier), (_, later) in itertools.pairwise(served))
 
 
+# ======================================================================= fields per message
+def test_a_park_message_of_a_million_empty_fields_is_refused_and_others_are_served(
+    producer_process: Any,
+) -> None:
+    """A valid batch whose header message also carries a million empty unknown fields (2 MB):
+    protobuf would skip them, one by one; the producer stops counting at its field budget,
+    refuses the batch, keeps nothing, and serves the next call."""
+    producer = producer_process(**SETTINGS)
+    requests = park_requests("wide", {0: b"kv"}, total=1)
+    padded = requests[0].SerializeToString() + b"\x32\x00" * 1_000_000
+    raw = [padded, *(r.SerializeToString() for r in requests[1:])]
+    with grpc.insecure_channel(producer.target) as channel:
+        raw_park = channel.stream_unary(
+            "/kvpark.v1.KVProducer/Park", response_deserializer=pb.ParkResponse.FromString
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            raw_park(iter(raw), timeout=30)
+        stub = pb_grpc.KVProducerStub(channel)
+        state = stub.Lookup(pb.LookupRequest(kv_request_ids=["wide"]), timeout=10).states[0]
+        honest = stub.Park(iter(park_requests("honest", {0: b"kv"}, total=1)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fields in one message" in (err.value.details() or "")
+    assert state.state == pb.STATE_UNKNOWN
+    assert honest.status == pb.STATUS_OK
+
+
 # ============================================================================== dead peers
 _WAITING_CONSUMER = textwrap.dedent(
     """

@@ -20,7 +20,7 @@ from conftest import fetch_all, park, running_producer, state_of, stub_for
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
-from kvpark.wire import MAX_REFS_PER_MESSAGE
+from kvpark.wire import MAX_CHUNK_REFS_BYTES, MAX_REFS_PER_MESSAGE
 
 PAGE = 256 * 1024
 
@@ -155,9 +155,19 @@ async def test_a_held_chunk_named_over_and_over_is_compared_only_within_a_bound(
     assert fetched[0].chunk.data == chunk
 
 
-# 257 is counted; 1,000 (24 KB) is over the message size a ChunkRefs may take, refused unread.
-@pytest.mark.parametrize("refs", [MAX_REFS_PER_MESSAGE + 1, 1000])
-async def test_a_chunk_refs_message_names_at_most_256_chunks(shm_socket: str, refs: int) -> None:
+# Over the count (257 references), or within it but over the bytes a ChunkRefs may take
+# (256 references padded with an unknown field, ~20 KB).
+@pytest.mark.parametrize(
+    ("refs", "padding", "refusal"),
+    [
+        (MAX_REFS_PER_MESSAGE + 1, 0, f"names {MAX_REFS_PER_MESSAGE + 1} chunks"),
+        (MAX_REFS_PER_MESSAGE, 64, f"of more than {MAX_CHUNK_REFS_BYTES} bytes"),
+    ],
+    ids=["count", "bytes"],
+)
+async def test_a_chunk_refs_message_names_at_most_256_chunks_in_16_kib(
+    shm_socket: str, refs: int, padding: int, refusal: str
+) -> None:
     """Refused whole, before the producer walks the references one by one on its event loop;
     the id keeps what it held."""
     chunk = b"k" * PAGE
@@ -165,12 +175,15 @@ async def test_a_chunk_refs_message_names_at_most_256_chunks(shm_socket: str, re
     async with running_producer(**settings) as server, stub_for(server) as stub:
         assert (await park(stub, "kv", {0: chunk}, total=1)).status == pb.STATUS_OK
         again = pb.ChunkRef(chunk_id=0, crc32c=crc32c_of(chunk), offset=0, nbytes=PAGE)
+        if padding:  # protobuf keeps an unknown field and serializes it again
+            unknown = b"\x2a" + bytes([padding]) + b"p" * padding  # field 5, length-delimited
+            again = pb.ChunkRef.FromString(again.SerializeToString() + unknown)
         async with lent(shm_socket, 1) as (buffer, lend_id):
             write(buffer, {0: chunk})
             with pytest.raises(grpc.RpcError) as refused:
                 await stub.Park(iter(naming("kv", lend_id, [again] * refs)))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"at most {MAX_REFS_PER_MESSAGE}" in (refused.value.details() or "")
+        assert refusal in (refused.value.details() or "")
         state = await state_of(stub, "kv")
         assert (state.state, state.chunks_parked) == (pb.STATE_PARKED, 1)
         assert server.lot.statistics().open_batches == 0

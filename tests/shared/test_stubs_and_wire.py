@@ -252,6 +252,50 @@ def test_park_members_still_skip_unknown_fields_and_read_nested_refs() -> None:
     assert isinstance(parsed, pb.ChunkRefs) and parsed.refs[0].offset == 4096
 
 
+def unknown_fields(n: int) -> bytes:
+    """`n` empty fields of a number no kvpark message declares (field 6, length-delimited)."""
+    return b"\x32\x00" * n
+
+
+def test_the_largest_message_kvpark_sends_is_within_the_field_budget() -> None:
+    widest = pb.ChunkRef(chunk_id=2**32 - 1, crc32c=1, offset=2**63, nbytes=2**40)
+    refs = pb.ChunkRefs(refs=[widest] * wire.MAX_REFS_PER_MESSAGE)
+    parsed = wire.parse_park_request(pb.ParkRequest(chunk_refs=refs).SerializeToString())
+    assert isinstance(parsed, pb.ChunkRefs) and len(parsed.refs) == wire.MAX_REFS_PER_MESSAGE
+
+
+MANY = wire.MAX_FIELDS_PER_MESSAGE + 1
+HEADER = pb.ParkHeader(kv_request_id="k", total_chunks=1).SerializeToString()
+CHUNK = pb.Chunk(chunk_id=0, data=b"kv").SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("parse", "raw"),
+    [
+        # Beside a member, at the top level: protobuf would skip them all.
+        (wire.parse_park_request, pb.ParkRequest(header=pb.ParkHeader()).SerializeToString()
+         + unknown_fields(MANY)),
+        (wire.parse_fetch_response, unknown_fields(MANY)),
+        # Inside a member, which protobuf's C parser would otherwise read first.
+        (wire.parse_park_request, b"\x0a" + wire._varint(len(HEADER) + 2 * MANY) + HEADER
+         + unknown_fields(MANY)),
+        # Inside a chunk, the hand-read data path.
+        (wire.parse_park_request, b"\x12" + wire._varint(len(CHUNK) + 2 * MANY) + CHUNK
+         + unknown_fields(MANY)),
+        # Spread over the member's repeated bodies and the top level: one budget for all.
+        (wire.parse_park_request, (b"\x0a" + wire._varint(len(HEADER) + 2048) + HEADER
+         + unknown_fields(1024)) * 2),
+    ],
+    ids=["top-level", "fetch-top-level", "in-header", "in-chunk", "over-bodies"],
+)  # fmt: skip
+def test_a_message_of_more_fields_than_the_budget_is_refused(parse: Any, raw: bytes) -> None:
+    """Each field costs the producer's event loop a few microseconds of Python: a message of
+    the receive limit made of millions of empty fields would hold every other call for
+    seconds, so the parse stops at MAX_FIELDS_PER_MESSAGE, fields of every level counted."""
+    with pytest.raises(wire.WireError, match=f"more than {wire.MAX_FIELDS_PER_MESSAGE} fields"):
+        parse(raw)
+
+
 @given(st.binary(max_size=64))
 def test_random_bytes_never_crash_the_parser(raw: bytes) -> None:
     try:
