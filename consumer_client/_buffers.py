@@ -146,12 +146,12 @@ class IntoBuffer:
     def landed(self, nbytes: int) -> None:
         self.nbytes += nbytes
 
-    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+    def place(self, data: memoryview, index: int, chunk_id: int) -> list[memoryview]:
         """Copies one verified payload after the previous one; returns where it landed."""
         (part,) = self.parts_for(index, chunk_id, len(data))
         part[:] = data  # the one copy
         self.landed(len(data))
-        return part
+        return [part]
 
     def array(self) -> ByteArray | None:
         return self._array[: self.nbytes]
@@ -173,10 +173,10 @@ class OwnedBuffer:
     def landed(self, nbytes: int) -> None:
         self.nbytes += nbytes
 
-    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+    def place(self, data: memoryview, index: int, chunk_id: int) -> list[memoryview]:
         self._parts.append(data)
         self.nbytes += len(data)
-        return data
+        return [data]
 
     def keep(self, parts: list[memoryview]) -> None:
         """Keeps a chunk read by `parts_for` (the payload views are ours already)."""
@@ -263,11 +263,12 @@ class ChunkBuffers:
     def landed(self, nbytes: int) -> None:
         self.nbytes += nbytes
 
-    def place(self, data: memoryview, index: int, chunk_id: int) -> memoryview:
+    def place(self, data: memoryview, index: int, chunk_id: int) -> list[memoryview]:
+        """Scatters one verified payload over its chunk's destination; returns the pieces."""
         parts = self.parts_for(index, chunk_id, len(data))
         _scatter(data, parts)  # the one copy
         self.landed(len(data))
-        return parts[0] if len(parts) == 1 else data
+        return parts
 
     def array(self) -> ByteArray | None:
         return None

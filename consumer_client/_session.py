@@ -42,7 +42,7 @@ from kvpark.checksum import crc32c_of
 from kvpark.ids import printable_id
 from kvpark.pb import kvpark_pb2 as pb
 
-from ._buffers import Destination, OwnedBuffer
+from ._buffers import ChunkBuffers, Destination, OwnedBuffer
 from ._errors import BufferTooSmallError, classify_status, error_for
 from ._result import LoadResult, Reason
 from ._shm import lend_refused
@@ -330,13 +330,21 @@ class LoadSession:
         region = shm.view[start : start + placed.nbytes]
         if shm.direct:  # the lent range is the destination: the bytes are in place already
             return self.landed(placed.chunk_id, placed.crc32c, [region], placed.nbytes)
+        # Verified, then copied from the staging range to `into`, which the next load of
+        # this client overwrites: on_chunk gets the bytes where they landed.
         view = wire.ChunkView(placed.chunk_id, placed.crc32c, region)
-        return self._chunk(view)  # verified, then copied from the staging range to `into`
+        return self._verified(view, lasting=False)
 
     def _chunk(self, chunk: wire.ChunkView) -> Step:
         refused = self.expected_chunk(chunk.chunk_id, len(chunk.data))
         if refused is not None:
             return refused
+        return self._verified(chunk, lasting=True)
+
+    def _verified(self, chunk: wire.ChunkView, *, lasting: bool) -> Step:
+        """Checks the CRC32C of the next requested chunk and places it in the destination.
+        `lasting`: its bytes stay as they are after this load (a received message), so
+        on_chunk may see them there when they landed in several pieces."""
         index, expected = self.chunks_loaded, chunk.chunk_id
         if chunk.crc32c is None:
             return self._abandon(Reason.PROTOCOL_ERROR, f"chunk {expected} came without a CRC32C")
@@ -346,7 +354,8 @@ class LoadSession:
                 Reason.CHECKSUM_MISMATCH,
                 f"chunk {expected}: crc32c {actual:#010x}, producer says {chunk.crc32c:#010x}",
             )
-        landed = self._dest.place(chunk.data, index, expected)
+        parts = self._dest.place(chunk.data, index, expected)
+        landed = chunk.data if lasting and len(parts) > 1 else self._joined(parts)
         return self._counted(expected, landed, len(chunk.data))
 
     def _counted(self, chunk_id: int, landed: memoryview, nbytes: int) -> Step:
@@ -446,7 +455,16 @@ class LoadSession:
                 chunks_loaded=self.chunks_loaded,
                 bytes_loaded=loaded,
             )
-        chunk_id, needed = int(named["chunk_id"]), loaded + int(named["nbytes"])
+        chunk_id, nbytes = int(named["chunk_id"]), int(named["nbytes"])
+        if isinstance(self._dest, ChunkBuffers):
+            # Staged for one destination per chunk: a chunk that overflows the staging range
+            # (their sizes added up) is larger than its own destination, and the error is
+            # that destination's, as on the other transports.
+            try:
+                self._dest.parts_for(self.chunks_loaded, chunk_id, nbytes)
+            except BufferTooSmallError as exc:
+                return exc
+        needed = loaded + nbytes
         return BufferTooSmallError(
             f"into holds {self.shm.length} bytes; chunk {chunk_id} needs bytes {loaded}.."
             f"{needed} (chunks are placed back to back in request order)",

@@ -204,31 +204,70 @@ async def test_on_chunk_sees_each_chunks_bytes_also_when_it_lands_in_pieces(
     transport: str, shm_socket: str
 ) -> None:
     """A paged destination (each chunk in two halves, as a layer's K and V): `on_chunk` gets
-    the chunk's bytes whatever carried them, as for one buffer."""
+    the chunk's bytes whatever carried them, as for one buffer, and they stay its bytes after
+    the client's next load (over shm that load reuses the staging buffer)."""
     async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
-        data = chunks(3, seed=7)
+        data, later = chunks(3, seed=7), chunks(3, seed=8)
 
-        def run() -> tuple[Any, list[bytes], list[np.ndarray]]:
-            seen: list[bytes] = []
+        def paged(whole: Any) -> list[Any]:
+            halves = [whole[i * CHUNK // 2 : (i + 1) * CHUNK // 2] for i in range(6)]
+            return [halves[2 * i : 2 * i + 2] for i in range(3)]
+
+        def run() -> tuple[list[Any], list[memoryview], Any]:
+            seen: list[memoryview] = []
             with (
                 KVParker(server.target) as parker,
                 KVConsumer(server.target, transport=transport, shm_socket=shm_socket) as c,
             ):
                 whole = destination(c, transport, 3)  # pieces of a shared buffer for shm
-                halves = [whole[i * CHUNK // 2 : (i + 1) * CHUNK // 2] for i in range(6)]
-                assert parker.park("paged", data).ok
-                loaded = c.load(
-                    "paged",
-                    num_chunks=3,
-                    into=[halves[2 * i : 2 * i + 2] for i in range(3)],
-                    on_chunk=lambda index, chunk_id, view: seen.append(bytes(view)),
-                )
-            return loaded, seen, halves
+                assert parker.park("paged", data).ok and parker.park("later", later).ok
+                loaded = [
+                    c.load(
+                        "paged",
+                        num_chunks=3,
+                        into=paged(whole),
+                        on_chunk=lambda index, chunk_id, view: seen.append(view),
+                    ),
+                    c.load("later", num_chunks=3, into=paged(np.zeros(3 * CHUNK, np.uint8))),
+                ]
+            return loaded, seen, whole
 
-        loaded, seen, halves = await in_thread(run)
-    assert loaded.ok and loaded.transport == transport, loaded
-    assert seen == [d.tobytes() for d in data]
-    assert joined(halves) == joined(data)
+        loaded, seen, whole = await in_thread(run)
+    assert all(r.ok and r.transport == transport for r in loaded), loaded
+    assert [bytes(view) for view in seen] == [d.tobytes() for d in data]
+    assert bytes(whole) == joined(data)
+
+
+@pytest.mark.parametrize("into", ["shared", "plain", "paged"])
+async def test_shm_loads_chunks_over_the_clients_message_limit_into_any_destination(
+    into: str, shm_socket: str
+) -> None:
+    """A client's max_chunk_bytes is the largest gRPC message it takes; shared memory moves no
+    chunk in a message, so a producer's larger chunks load over it, into a shared buffer
+    (in place) or through the staging buffer (a plain array, one destination per chunk)."""
+    big = 2 * CHUNK
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        rng = np.random.default_rng(9)
+        data = [rng.integers(0, 256, big, dtype=np.uint8) for _ in range(2)]
+
+        def run() -> tuple[Any, Any]:
+            with (
+                KVParker(server.target) as parker,
+                KVConsumer(
+                    server.target, transport="shm", shm_socket=shm_socket, max_chunk_bytes=CHUNK
+                ) as c,
+            ):
+                assert parker.park("big", data).ok
+                whole = (
+                    c.shared_buffer(2 * big) if into == "shared" else np.zeros(2 * big, np.uint8)
+                )
+                halves = [whole[i * CHUNK : (i + 1) * CHUNK] for i in range(4)]
+                target = [halves[0:2], halves[2:4]] if into == "paged" else whole
+                return c.load("big", num_chunks=2, into=target), whole
+
+        loaded, whole = await in_thread(run)
+    assert loaded.ok and loaded.transport == "shm", loaded
+    assert bytes(whole) == joined(data)
 
 
 @pytest.mark.parametrize("error", [OSError(28, "no space left"), TimeoutError("queue full")])
@@ -1322,6 +1361,36 @@ async def test_a_streaming_batch_sends_its_references_in_groups(shm_socket: str)
 
 # ============================================================ a lent range that runs out
 SMALL_CHUNK = 256 * 1024
+
+
+async def test_a_chunk_larger_than_its_own_destination_is_the_same_error_on_every_transport(
+    shm_socket: str,
+) -> None:
+    """One destination per chunk, the second chunk a byte larger than its destination: over
+    shared memory it overflows the staging range, and the error names that chunk's
+    destination, with the counts the gRPC stream and TCP give."""
+    data = [np.full(1000, 1, np.uint8), np.full(1001, 2, np.uint8)]
+
+    def run(target: str) -> dict[str, tuple[Any, ...]]:
+        seen = {}
+        for transport in ("grpc", "tcp", "shm"):
+            with KVConsumer(target, transport=transport, shm_socket=shm_socket, confirm=False) as c:
+                pages = [np.zeros(1000, np.uint8), np.zeros(1000, np.uint8)]
+                with pytest.raises(BufferTooSmallError) as err:
+                    c.load("uneven", num_chunks=2, into=pages)
+                e = err.value
+                seen[transport] = (e.needed, e.available, e.chunks_loaded, e.bytes_loaded, str(e))
+                assert bytes(pages[0]) == data[0].tobytes()
+        return seen
+
+    async with running_producer(**SETTINGS, shm_socket=shm_socket) as server:
+        with KVParker(server.target) as parker:
+            assert (await in_thread(parker.park, "uneven", data)).ok
+        seen = await in_thread(run, server.target)
+        server.lot.check_invariants()
+    message = "chunk 1 is 1001 bytes; its destination holds 1000"
+    assert seen["grpc"] == (1001, 1000, 1, 1000, message)
+    assert seen["tcp"] == seen["grpc"] and seen["shm"] == seen["grpc"], seen
 
 
 @pytest.mark.parametrize("client", ["sync", "async"])
