@@ -347,9 +347,12 @@ def _fetch(args: argparse.Namespace) -> int:
                 # The file is complete either way: a confirm that does not get through only
                 # leaves the id parked until the producer's delivery grace frees it.
                 try:
-                    client.confirm(result)
+                    confirmed = client.confirm(result)
                 except KVParkError as exc:
-                    confirm_error = str(exc)
+                    confirm_error = f"{exc}; the producer frees the id after its delivery grace"
+                else:
+                    if not confirmed.ok:  # e.g. the delivery grace ran out while writing
+                        confirm_error = f"refused, {confirmed.reason}: {confirmed.detail}"
     delivered = result.ok and write_error is None
     summary = {
         "kv_request_id": result.kv_request_id,
@@ -363,6 +366,8 @@ def _fetch(args: argparse.Namespace) -> int:
         "out": args.out if delivered else None,
         "confirmed": delivered and confirm_error is None,
     }
+    if confirm_error is not None:
+        summary["confirm_error"] = confirm_error
     if write_error is not None:
         summary |= {"reason": OUTPUT_FAILED, "detail": write_error}
         text = (
@@ -374,12 +379,6 @@ def _fetch(args: argparse.Namespace) -> int:
             f"fetched {result.kv_request_id}: {result.chunks_loaded} chunks, {result.bytes} "
             f"bytes in {result.elapsed_s:.3f}s -> {args.out}"
         )
-        if confirm_error is not None:
-            summary["confirm_error"] = confirm_error
-            text += (
-                f"; not confirmed ({confirm_error}): the producer frees the id after its "
-                "delivery grace"
-            )
     else:
         text = (
             f"fetch {result.kv_request_id} failed: {result.reason} after {result.chunks_loaded}"
@@ -387,8 +386,11 @@ def _fetch(args: argparse.Namespace) -> int:
             " (nothing written)"
         )
     # With --out - the payload owns stdout; a failure to write is reported on stderr.
-    to_stderr = args.out == "-" or write_error is not None or confirm_error is not None
+    to_stderr = args.out == "-" or write_error is not None
     _emit(args, summary, text, sys.stderr if to_stderr else None)
+    if confirm_error is not None:  # a warning: the file is complete
+        warning = f"kvpark fetch: {result.kv_request_id} not confirmed: {confirm_error}"
+        print(warning, file=sys.stderr)
     if delivered:
         return EXIT_OK
     return EXIT_RPC if _did_not_get_through(result) else EXIT_FAILED

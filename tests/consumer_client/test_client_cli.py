@@ -11,9 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ProducerProcess, free_port, park, running_producer, stub_for
+from conftest import ProducerProcess, free_port, park, running_producer, stub_for, wait_for
 from consumer_support import in_thread, joined, park_sync, payload
 
+from kvpark import KVConsumer
 from kvpark.client import cli
 from kvpark.fingerprints import fingerprint
 
@@ -146,37 +147,51 @@ def test_installed_command_against_a_producer_process(
     assert looked.returncode == 0 and b"TOMBSTONED (ALREADY_CONSUMED)" in looked.stdout
 
 
-def test_a_fetch_whose_confirm_does_not_get_through_still_delivers_its_file(
-    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+@pytest.mark.parametrize("why", ["producer killed", "grace ran out"])
+def test_a_fetch_whose_confirm_fails_still_delivers_its_file(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path, why: str
 ) -> None:
-    """The file is complete once written; a producer killed before the confirm leaves only an
-    unconfirmed delivery (the producer would free it after its grace), which the fetch
-    reports without failing."""
-    producer = producer_process()
+    """The file is complete once written. A confirm that does not get through (the producer
+    killed meanwhile) or is refused (the delivery grace ran out while the file was written)
+    leaves an unconfirmed delivery, which the fetch reports as a warning, not a failure."""
+    producer = producer_process(delivery_grace_s=0.2)
     chunks = payload(4, 256 * 1024)  # more than a pipe holds: the writer waits for our reads
-    park_sync(producer.target, "gone", chunks, total=4)
+    park_sync(producer.target, "slow", chunks, total=4)
     fifo = tmp_path / "out"
     os.mkfifo(fifo)
     argv = ["--target", producer.target, "--rpc-timeout", "5", "--json"]
     fetch = subprocess.Popen(
-        [*installed_kvpark(), *argv, "fetch", "gone", "--chunks", "4", "--out", str(fifo)],
+        [*installed_kvpark(), *argv, "fetch", "slow", "--chunks", "4", "--out", str(fifo)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     try:
         with open(fifo, "rb") as reader:
             first = reader.read(1)  # the load is over: the fetch is writing its file
-            producer.proc.kill()
-            producer.proc.wait(timeout=10)
+            if why == "producer killed":
+                producer.proc.kill()
+                producer.proc.wait(timeout=10)
+            else:
+                wait_for(lambda: state_of(producer.target, "slow") == "TOMBSTONED", what="reap")
             rest = reader.read()
-        _, err = fetch.communicate(timeout=60)
+        out, err = fetch.communicate(timeout=60)
     finally:
         fetch.kill()
     assert fetch.returncode == cli.EXIT_OK, err
     assert first + rest == joined(chunks)
-    summary = json.loads(err)  # a warning: on stderr
+    summary = json.loads(out)  # the summary stays on stdout, the warning goes to stderr
     assert summary["ok"] is True and summary["out"] == str(fifo)
     assert summary["confirmed"] is False and summary["confirm_error"]
+    assert b"kvpark fetch: slow not confirmed: " in err
+    if why == "grace ran out":
+        assert summary["confirm_error"].startswith("refused, ALREADY_CONSUMED")
+
+
+def state_of(target: str, kv_request_id: str) -> str:
+    """The id's state name, as `kvpark lookup` reads it."""
+    with KVConsumer(target) as client:
+        (status,) = client.lookup([kv_request_id])
+    return str(status.state)
 
 
 def test_commands_are_registered_in_one_registry() -> None:
