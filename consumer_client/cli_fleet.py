@@ -36,6 +36,7 @@ INFO_HEADER = (
 )  # fmt: skip
 LOOKUP_HEADER = (
     "TARGET", "STATUS", "ID", "STATE", "REASON", "CHUNKS", "BYTES", "AGE", "LEASE",
+    "FINGERPRINT",
 )  # fmt: skip
 OK = "ok"
 
@@ -164,6 +165,7 @@ def lookup_row(target: str, s: IdStatus) -> list[str]:
         human_bytes(s.bytes),
         f"{s.age_s:.1f}s",
         f"{s.lease_remaining_s:.1f}s" if s.lease_remaining_s else "-",
+        s.fingerprint.hex() if s.fingerprint else "-",
     ]
 
 
@@ -184,7 +186,7 @@ def fleet_lookup(
     for answer in answers:
         if answer.value is None:
             for kid in ids:
-                rows.append([answer.target, answer.status, kid, *["-"] * 6])
+                rows.append([answer.target, answer.status, kid, *["-"] * 7])
                 documents.append(
                     {"target": answer.target, "kv_request_id": kid, "ok": False,
                      **_error_json(answer)}

@@ -58,7 +58,7 @@ async def test_info_and_lookup_show_live_and_dead_producers_in_one_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     async with running_producer() as a, running_producer() as b, stub_for(a) as stub_a:
-        await park(stub_a, "on-a", payload(2, 4000), total=2)
+        await park(stub_a, "on-a", payload(2, 4000), total=2, fingerprint=b"\x0f\xa0")
         dead = f"127.0.0.1:{free_port()}"
         targets = ["--target", a.target, "--target", b.target, "--target", dead]
 
@@ -93,6 +93,7 @@ async def test_info_and_lookup_show_live_and_dead_producers_in_one_table(
             (dead, "nope", "UNAVAILABLE", "-"),
         ]
         assert rows[0]["CHUNKS"] == "2/2" and rows[0]["LEASE"].endswith("s")
+        assert (rows[0]["FINGERPRINT"], rows[1]["FINGERPRINT"]) == ("0fa0", "-")
         assert f"kvpark lookup: {dead}: Lookup: UNAVAILABLE" in err
 
         # --json: a list of objects, the dead producer's with its error.
