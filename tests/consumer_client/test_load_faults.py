@@ -62,6 +62,33 @@ async def test_the_first_chunk_limit_holds_over_tcp() -> None:
     assert result.reason is Reason.TIMEOUT and "first chunk" in result.detail, result
 
 
+def read_ticket(conn: socket.socket) -> None:
+    """What a data listener reads first: the consumer's ticket."""
+    got = 0
+    while got < TICKET_BYTES:
+        got += len(conn.recv(TICKET_BYTES - got))
+
+
+def one_chunk_tcp_session(destination: Any, timeout: Timeout) -> LoadSession:
+    """A load of chunk 0 over TCP, for a receiver driven by hand (chunks up to 16 MiB)."""
+    return LoadSession(
+        kv_request_id="k",
+        chunk_ids=(0,),
+        destination=destination,
+        timeout=timeout,
+        expected_epoch=0,
+        wait_timeout_s=0.0,
+        on_chunk=None,
+        max_chunk_bytes=16 << 20,
+        accept=(pb.TRANSPORT_TCP,),
+    )
+
+
+def data_offer(port: int) -> pb.DataOffer:
+    address = f"127.0.0.1:{port}"
+    return pb.DataOffer(transport=pb.TRANSPORT_TCP, address=address, ticket=b"t" * TICKET_BYTES)
+
+
 def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -> None:
     """A producer's data connection that sends a byte every 0.3 s would keep every single
     read within a 1 s socket timeout for the 300 s its 1000-byte chunk takes."""
@@ -72,9 +99,7 @@ def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -
         def trickle() -> None:
             conn, _ = listener.accept()
             with conn:
-                got = 0
-                while got < TICKET_BYTES:
-                    got += len(conn.recv(TICKET_BYTES - got))
+                read_ticket(conn)
                 conn.sendall(ACCEPTED + header(0, 0, 1000))
                 while not stop.wait(0.3):
                     try:
@@ -84,20 +109,8 @@ def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -
 
         producer = threading.Thread(target=trickle)
         producer.start()
-        session = LoadSession(
-            kv_request_id="k",
-            chunk_ids=(0,),
-            destination=IntoBuffer(bytearray(1000)),
-            timeout=Timeout(1.0),
-            expected_epoch=0,
-            wait_timeout_s=0.0,
-            on_chunk=None,
-            max_chunk_bytes=16 << 20,
-            accept=(pb.TRANSPORT_TCP,),
-        )
-        offer = pb.DataOffer(
-            transport=pb.TRANSPORT_TCP, address=f"127.0.0.1:{port}", ticket=b"t" * TICKET_BYTES
-        )
+        session = one_chunk_tcp_session(IntoBuffer(bytearray(1000)), Timeout(1.0))
+        offer = data_offer(port)
         receiving = threading.Thread(
             target=TcpReceiver(offer, f"127.0.0.1:{port}", None).run, args=(session,)
         )
@@ -122,28 +135,15 @@ def test_a_data_frame_of_a_size_no_chunk_has_is_a_protocol_error(nbytes: int) ->
         def announce() -> None:
             conn, _ = listener.accept()
             with conn:
-                got = 0
-                while got < TICKET_BYTES:
-                    got += len(conn.recv(TICKET_BYTES - got))
+                read_ticket(conn)
                 conn.sendall(ACCEPTED + header(0, 0, nbytes))
                 conn.recv(1)  # until the client closes
 
         producer = threading.Thread(target=announce)
         producer.start()
-        session = LoadSession(
-            kv_request_id="k",
-            chunk_ids=(0,),
-            destination=destination_for(None),  # no `into`: the announced size would be allocated
-            timeout=Timeout(PROMPTLY_S),
-            expected_epoch=0,
-            wait_timeout_s=0.0,
-            on_chunk=None,
-            max_chunk_bytes=16 << 20,
-            accept=(pb.TRANSPORT_TCP,),
-        )
-        offer = pb.DataOffer(
-            transport=pb.TRANSPORT_TCP, address=f"127.0.0.1:{port}", ticket=b"t" * TICKET_BYTES
-        )
+        # No `into`: the announced size would be allocated.
+        session = one_chunk_tcp_session(destination_for(None), Timeout(PROMPTLY_S))
+        offer = data_offer(port)
         try:
             step = TcpReceiver(offer, f"127.0.0.1:{port}", None).run(session)
         finally:

@@ -90,16 +90,23 @@ async def test_a_resent_batch_takes_no_room_and_evicts_nothing(shm_socket: str) 
     assert b"".join(m.chunk.data for m in fetched[:-1]) == b"".join(first.values())
 
 
-async def test_a_whole_id_resent_is_not_counted_against_max_batch_bytes(shm_socket: str) -> None:
-    """Parked as 4 + 1 pages under a 4-page batch limit; all 5 sent again in one batch."""
-    chunks = {c: bytes([65 + c]) * PAGE for c in range(5)}
-    settings = {
+def four_page_batches(shm_socket: str) -> dict[str, object]:
+    """Producer settings: a pool of 16 pages, one page per chunk, at most 4 pages a batch."""
+    return {
         "pool_bytes": 16 * PAGE,
         "max_chunk_bytes": PAGE,
         "max_batch_share": 0.25,
         "shm_socket": shm_socket,
     }
-    async with running_producer(**settings) as server, stub_for(server) as stub:
+
+
+async def test_a_whole_id_resent_is_not_counted_against_max_batch_bytes(shm_socket: str) -> None:
+    """Parked as 4 + 1 pages under a 4-page batch limit; all 5 sent again in one batch."""
+    chunks = {c: bytes([65 + c]) * PAGE for c in range(5)}
+    async with (
+        running_producer(**four_page_batches(shm_socket)) as server,
+        stub_for(server) as stub,
+    ):
         assert server.lot.max_batch_bytes == 4 * PAGE
         head = {c: chunks[c] for c in range(4)}
         assert (await park(stub, "kv", head, total=5)).status == pb.STATUS_OK
@@ -129,13 +136,10 @@ async def test_a_held_chunk_named_over_and_over_is_compared_only_within_a_bound(
     """Each reference to a chunk the id holds costs a full comparison on a data thread; a
     batch of a few bytes per reference may not buy more than one re-send of everything."""
     chunk = bytes(range(256)) * (PAGE // 256)
-    settings = {
-        "pool_bytes": 16 * PAGE,
-        "max_chunk_bytes": PAGE,
-        "max_batch_share": 0.25,
-        "shm_socket": shm_socket,
-    }
-    async with running_producer(**settings) as server, stub_for(server) as stub:
+    async with (
+        running_producer(**four_page_batches(shm_socket)) as server,
+        stub_for(server) as stub,
+    ):
         assert server.lot.max_batch_bytes == 4 * PAGE
         assert (await park(stub, "kv", {0: chunk}, total=1)).status == pb.STATUS_OK
         again = pb.ChunkRef(chunk_id=0, crc32c=crc32c_of(chunk), offset=0, nbytes=PAGE)
