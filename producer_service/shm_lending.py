@@ -286,25 +286,33 @@ _LISTENER = "listener"
 _WAKE = "wake"
 
 
-# How long a start waits for another start on the same socket path to finish.
-START_LOCK_WAIT_S = 5.0
+# How long a start (or a stop removing its socket) waits for another on the same path.
+PATH_LOCK_WAIT_S = 5.0
 
 
 @contextlib.contextmanager
-def _start_lock(path: str) -> Iterator[None]:
-    """Held while a start clears a stale socket at `path` and puts its own in place. Without
-    it, two producers started at once on one path (a configuration mistake) could each take
-    the other's new socket, linked but not listening yet, for a stale one: one of them would
-    then serve a socket file nobody can reach, and say nothing. With it, the second start
-    finds the first listening and refuses to start. The lock file (`path` + ".lock", mode
-    0600) stays beside the socket: removing it would open the same race again."""
+def _path_lock(path: str) -> Iterator[None]:
+    """Held while a start clears a stale socket at `path` and puts its own in place, and
+    while a stop removes its own. Without it, two producers started at once on one path (a
+    configuration mistake) could each take the other's new socket, linked but not listening
+    yet, for a stale one: one of them would then serve a socket file nobody can reach, and
+    say nothing. With it, the second start finds the first listening and refuses to start.
+
+    The lock file (`path` + ".lock", mode 0600) stays beside the socket: removing it would
+    open the same race again. One this user may not open (left by a run as another user) is
+    not an error: the start goes on without the lock, as it would without this guard."""
     lock_path = path + ".lock"
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(lock_path, flags, 0o600)
+    try:
+        fd = os.open(lock_path, flags, 0o600)
+    except PermissionError as exc:
+        log.warning("shm socket %s: cannot take its lock (%s); going on without it", path, exc)
+        yield
+        return
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FileExistsError(errno.EEXIST, "exists and is not a regular file", lock_path)
-        deadline = time.monotonic() + START_LOCK_WAIT_S
+        deadline = time.monotonic() + PATH_LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -313,8 +321,8 @@ def _start_lock(path: str) -> Iterator[None]:
                 if time.monotonic() >= deadline:
                     raise OSError(
                         errno.EADDRINUSE,
-                        f"another process has been starting on this socket for "
-                        f"{START_LOCK_WAIT_S:g} s (it holds {lock_path})",
+                        f"another process has been starting or stopping on this socket for "
+                        f"{PATH_LOCK_WAIT_S:g} s (it holds {lock_path})",
                         path,
                     ) from None
                 time.sleep(0.01)
@@ -381,7 +389,7 @@ class ShmLendingServer:
         os.makedirs(parent, mode=0o750, exist_ok=True)  # group members must reach the socket
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            with _start_lock(self.path):
+            with _path_lock(self.path):
                 self._clear_stale_socket()
                 self._socket_identity = self._bind_privately(listener, parent)
                 # Only now, with the file in place at its mode: until listen() every connect
@@ -499,7 +507,10 @@ class ShmLendingServer:
         already have replaced it."""
         if self._socket_identity is None:
             return
-        with contextlib.suppress(OSError):
+        # Under the lock: a start that took our closed socket for a stale one may be putting
+        # its own in place, and must not lose it to our unlink. A lock not had in time leaves
+        # the file, which the next start replaces as stale.
+        with contextlib.suppress(OSError), _path_lock(self.path):
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._socket_identity:
                 os.unlink(self.path)

@@ -156,21 +156,61 @@ def assert_serves_its_path(server: ShmLendingServer, path: Path) -> None:
         wait_for(lambda: server.connection_count == 1, what="the connection served")
 
 
-def test_a_start_that_cannot_get_the_start_lock_gives_up_with_nothing_made(
+def test_a_start_or_stop_that_cannot_get_the_path_lock_makes_and_removes_nothing(
     sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = sock_dir / "shm.sock"
-    monkeypatch.setattr(shm_lending, "START_LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(shm_lending, "PATH_LOCK_WAIT_S", 0.2)
     with open(f"{path}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another start, stuck
         server = lending_server(path)
-        with pytest.raises(OSError, match="another process has been starting on this socket"):
+        with pytest.raises(OSError, match="another process has been starting or stopping"):
             server.start()
         server.stop()
         assert not path.exists()
     server = lending_server(path)  # the lock is free again
     server.start()
+    with open(f"{path}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a start that may be putting its socket in place
+        server.stop()
+        assert path.exists()  # left for the next start, which replaces it as stale
+    restarted = lending_server(path)
+    restarted.start()
+    assert_serves_its_path(restarted, path)
+    restarted.stop()
+
+
+STARTER = textwrap.dedent(
+    """
+    import os, sys
+    from kvpark.producer.shm_lending import ShmLendingServer
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    server = ShmLendingServer(sys.argv[1], 1, lambda token, role: None)
+    server.start()
     server.stop()
+    print("started and stopped")
+    """
+)
+
+
+def test_a_lock_file_left_by_another_user_does_not_stop_a_start(sock_dir: Path) -> None:
+    """A producer run once as another user (root, say, while debugging) leaves its lock file,
+    mode 0600: a start that may not open it goes on without the lock, as before it existed."""
+    path = sock_dir / "shm.sock"
+    lock = Path(f"{path}.lock")
+    lock.touch(mode=0o600)
+    if os.geteuid() == 0:  # the start runs as nobody, who may not open root's file
+        sock_dir.chmod(0o777)
+    else:  # nor may this user open a file of mode 0
+        lock.chmod(0)
+    started = subprocess.run(
+        [sys.executable, "-c", STARTER, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert started.returncode == 0, started.stderr
+    assert "started and stopped" in started.stdout
+    assert "cannot take its lock" in started.stderr
 
 
 ATTACKER = textwrap.dedent(
