@@ -35,7 +35,8 @@ about them. `kvpark bench` (kvpark.client.bench) is registered here like the oth
 
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
 release it refused), a fetch whose bytes could not all be written to `--out` (the delivery is
-then not confirmed: the producer keeps the id for a retry within its delivery grace), or,
+then not confirmed: the producer keeps the id for a retry within its delivery grace; a file
+written in full whose confirm fails is 0, with a warning), or,
 asking several producers, at least one of them did not answer (the others' rows are printed
 all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
 host:port, unreadable token file, a TLS file that is not a PEM certificate or key,
@@ -343,7 +344,11 @@ def _fetch(args: argparse.Namespace) -> int:
             write_error = _write_out(args.out, result.data.data)
             # Confirmed only once every byte is out: otherwise the id stays on the producer
             # for a retry within its delivery grace.
-            if write_error is None:
+            if write_error is None and not result.delivery_id:
+                # Every chunk verified, but the producer ended the transfer without naming a
+                # delivery (it failed the id after the last chunk): nothing to confirm.
+                confirm_error = f"no delivery to confirm ({result.detail})"
+            elif write_error is None:
                 # The file is complete either way: a confirm that does not get through only
                 # leaves the id parked until the producer's delivery grace frees it.
                 try:

@@ -51,8 +51,10 @@ _MAX_FIELD_NUMBER = 2**29 - 1
 # Fields one message may have, counted over its whole parse (the top level, every body of its
 # member and the messages in those). The walks run in Python, ~2-3 µs per field, on the
 # producer's event loop: unbounded, one message of the receive limit made of empty unknown
-# fields (millions of them in a few MB) would hold every other call for seconds. What kvpark
-# sends has at most ~1,300 (a ChunkRefs of 256 references, 5 fields each).
+# fields (millions of them in a few MB) would hold every other call for seconds. A Park
+# message of kvpark's has at most ~1,300 (a ChunkRefs of 256 references, 5 fields each). Of a
+# FetchResponse only the top level and a Chunk are walked: a ChunksPlaced (up to 1,024
+# placements, ~5,100 fields) is the producer's, parsed by protobuf alone.
 MAX_FIELDS_PER_MESSAGE = 2048
 # Declared wire type of every field we read by hand; any other wire type is refused.
 _CHUNK_WIRE_TYPES = {1: _VARINT, 2: _I32, 3: _LEN}

@@ -7,16 +7,20 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import ProducerProcess, free_port, park, running_producer, stub_for, wait_for
 from consumer_support import in_thread, joined, park_sync, payload
 
-from kvpark import KVConsumer
+from kvpark import KVConsumer, wire
+from kvpark.checksum import crc32c_of
 from kvpark.client import cli
 from kvpark.fingerprints import fingerprint
+from kvpark.pb import kvpark_pb2 as pb
 
 
 async def run_cli(*argv: str) -> int:
@@ -185,6 +189,41 @@ def test_a_fetch_whose_confirm_fails_still_delivers_its_file(
     assert b"kvpark fetch: slow not confirmed: " in err
     if why == "grace ran out":
         assert summary["confirm_error"].startswith("refused, ALREADY_CONSUMED")
+
+
+def test_a_fetch_that_names_no_delivery_is_written_and_not_confirmed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every chunk verified, then the stream ends without a TransferDone (so no delivery id):
+    the load succeeds and the file is written, and there is nothing to confirm. A kvpark
+    producer never ends a Fetch so; a bare gRPC server stands in for one that does."""
+    chunk = b"kv" * 1000
+
+    def fetch(request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield wire.encode_fetch_chunk(0, crc32c_of(chunk), [chunk])
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_stream_rpc_method_handler(
+        fetch, request_deserializer=pb.FetchRequest.FromString
+    )
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("kvpark.v1.KVProducer", {"Fetch": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    out = tmp_path / "kv.bin"
+    try:
+        argv = ["--target", f"127.0.0.1:{port}", "--json", "fetch", "x", "--chunks", "1"]
+        code = cli.main([*argv, "--out", str(out)])
+    finally:
+        server.stop(None)
+    captured = capsys.readouterr()
+    assert code == cli.EXIT_OK, captured.err
+    assert out.read_bytes() == chunk
+    summary = json.loads(captured.out)
+    assert summary["ok"] is True and summary["confirmed"] is False
+    assert summary["confirm_error"].startswith("no delivery to confirm (all chunks verified")
+    assert "x not confirmed: no delivery to confirm" in captured.err
 
 
 def state_of(target: str, kv_request_id: str) -> str:

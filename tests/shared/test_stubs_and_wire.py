@@ -264,6 +264,18 @@ def test_the_largest_message_kvpark_sends_is_within_the_field_budget() -> None:
     assert isinstance(parsed, pb.ChunkRefs) and len(parsed.refs) == wire.MAX_REFS_PER_MESSAGE
 
 
+def test_the_producers_largest_placement_message_is_read_whole() -> None:
+    """A ChunksPlaced of a whole batch has more fields than the budget: the client reads it
+    all, since the budget bounds what the producer walks by hand, not what protobuf parses."""
+    placed = [
+        pb.ChunkPlaced(chunk_id=i, crc32c=i, offset=i << 12, nbytes=4096) for i in range(1024)
+    ]
+    raw = pb.FetchResponse(placed=pb.ChunksPlaced(chunks=placed)).SerializeToString()
+    parsed = wire.parse_fetch_response(raw)
+    assert isinstance(parsed, pb.ChunksPlaced) and len(parsed.chunks) == 1024
+    assert wire.MAX_FIELDS_PER_MESSAGE < 5 * 1024
+
+
 MANY = wire.MAX_FIELDS_PER_MESSAGE + 1
 HEADER = pb.ParkHeader(kv_request_id="k", total_chunks=1).SerializeToString()
 CHUNK = pb.Chunk(chunk_id=0, data=b"kv").SerializeToString()
