@@ -3,7 +3,8 @@
     kvpark info [--target HOST:PORT ...] [--targets-file FILE]
     kvpark lookup ID [ID ...] [--target HOST:PORT ...] [--targets-file FILE]
     kvpark top [--interval SECONDS] [--count N]
-    kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] --out FILE|-   (consumes the id!)
+    kvpark fetch ID [--chunks N | --chunk-ids 0,1,...] [--fingerprint HEX] --out FILE|-
+                                                                     (consumes the id!)
     kvpark release ID
     kvpark bench [--target HOST:PORT] [--quick] [--size SIZE] [--chunk SIZE,...] [--json-file F]
 
