@@ -74,7 +74,8 @@ def connect(address: Address, timeout_s: float) -> socket.socket:
 
 def addresses(address: Address, timeout_s: float) -> list[AddrInfo]:
     """What `address` resolves to for a TCP connection, waited for at most `timeout_s`
-    (TimeoutError); an IP address at once."""
+    (TimeoutError); an IP address at once. The lookup's own failure (socket.gaierror), or an
+    OSError when no thread could be started for it."""
     try:
         ip = ipaddress.ip_address(address.host)
     except ValueError:
@@ -93,9 +94,14 @@ def addresses(address: Address, timeout_s: float) -> list[AddrInfo]:
             lookup = _in_flight[key] = Future()
             # A daemon thread, not an executor's: a lookup that never returns must not hold
             # up the process's exit.
-            threading.Thread(
+            thread = threading.Thread(
                 target=_look_up, args=(key, lookup), name="kvpark-resolve", daemon=True
-            ).start()
+            )
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (a pids limit): a failed lookup
+                del _in_flight[key]  # the next load asks again
+                lookup.set_exception(OSError(f"looking up {address.host}: {exc}"))
     try:
         return lookup.result(timeout=max(0.0, timeout_s))
     except FutureTimeout:

@@ -164,3 +164,26 @@ def test_an_answer_whose_addresses_refuse_is_looked_up_again(
         with _resolve.connect(name, timeout_s=5) as sock:
             assert sock.getpeername()[1] == ports[1]
         assert lookups == ["producer.example", "producer.example"]
+
+
+def test_a_lookup_thread_that_cannot_start_fails_that_lookup_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread to be had (a pids limit): that lookup fails with an OSError, which a load
+    takes for a failed path and falls back from, and the next lookup of the name starts anew
+    instead of waiting on one that never started."""
+    monkeypatch.setattr(_resolve, "_cache", {})
+    monkeypatch.setattr(_resolve, "_in_flight", {})
+    real_start = threading.Thread.start
+
+    def no_lookup_thread(thread: threading.Thread) -> None:
+        if thread.name == "kvpark-resolve":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_lookup_thread)
+    with pytest.raises(OSError, match="can't start new thread"):
+        _resolve.addresses(Address(HOST, 7000), timeout_s=5)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    (_, _, _, sockaddr), *_ = _resolve.addresses(Address(HOST, 7000), timeout_s=5)
+    assert sockaddr[1] == 7000
