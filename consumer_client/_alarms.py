@@ -1,6 +1,7 @@
-"""The blocking client's first-chunk watchdogs: one thread per client fires them all.
+"""The blocking client's alarms: one thread per client fires them all.
 
-A load with a first-chunk timeout cancels its call if nothing arrived in time. A
+A load with a first-chunk timeout cancels its call if nothing arrived in time; a load that
+reads a data connection for long starts watching its call (`_call_watch.py`). A
 `threading.Timer` per load would start a thread per load, and `Thread.start` waits until the
 new thread runs, which on a busy decode host costs more than the rest of a small load. So
 each client keeps one daemon thread, started on first use, that sleeps until the earliest
@@ -26,8 +27,9 @@ _SWEEP_AT = 256
 
 
 class Alarm:
-    """One armed watchdog: `disarm` it once the first message came; `fired` says whether it
-    went off (the call was cancelled because its first chunk was late)."""
+    """One armed alarm: `disarm` it once it is not needed any more (a first-chunk watchdog's
+    first message came); `fired` says whether it went off (for a first-chunk watchdog: the
+    call was cancelled because its first chunk was late)."""
 
     __slots__ = ("_armed", "_fire", "fired")
 
@@ -59,9 +61,7 @@ class Alarms:
             heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._order), alarm))
             self._armed += 1
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvpark-first-chunk", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name="kvpark-alarms", daemon=True)
                 self._thread.start()
             elif self._heap[0][2] is alarm:
                 self._cond.notify()  # due before whatever the thread sleeps until
@@ -106,6 +106,6 @@ class Alarms:
                     if fire is not None:
                         fire()
                 except Exception:
-                    log.exception("kvpark: a first-chunk watchdog failed to cancel its call")
+                    log.exception("kvpark: a client alarm failed")
                 finally:
                     self._cond.acquire()

@@ -412,7 +412,7 @@ class AsyncKVConsumer(ClientBase):
                 watchdog.disarm()
                 step = await self._fed(session, raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
-                    step = await self._receive(session)
+                    step = await self._receive(session, call)
                 if step is not Step.CONTINUE:
                     break
             else:
@@ -460,17 +460,25 @@ class AsyncKVConsumer(ClientBase):
             return session.feed(raw)
         return await self._on_load_thread(session, functools.partial(session.feed, raw))
 
-    async def _receive(self, session: LoadSession) -> Step:
+    async def _receive(self, session: LoadSession, call: Any) -> Step:
         """Reads the data connection on a load thread while the loop runs on; a cancel of
-        the caller, or aclose, closes the connection, which ends the thread."""
+        the caller, or aclose, closes the connection, which ends the thread. So does a call
+        that fails meanwhile (a producer that stopped answering keepalive pings: a frozen
+        process keeps its data connection open and silent); the load then ends with the
+        call's status, as one over the gRPC stream would."""
         assert session.offer is not None
         receiver = self._core.tcp_receiver(session.offer)
         self._receivers.add(receiver)
+        call.add_done_callback(functools.partial(self._call_ended, receiver))
         try:
             run = functools.partial(receiver.run, session)
             return await self._on_load_thread(session, run, receiver.abort)
         finally:
             self._receivers.discard(receiver)
+
+    def _call_ended(self, receiver: TcpReceiver, call: Any) -> None:
+        if receiver in self._receivers:  # still reading its data connection
+            self._in_background(_stop_reading_unless_ok(call, receiver), "kvpark-call-watch")
 
     async def _on_load_thread(
         self, session: LoadSession, work: Callable[[], Step], stop: Callable[[], None] | None = None
@@ -548,3 +556,10 @@ class AsyncKVConsumer(ClientBase):
             if inspect.isawaitable(value):
                 value = await value
         return report(result, first, value)
+
+
+async def _stop_reading_unless_ok(call: Any, receiver: TcpReceiver) -> None:
+    """Stops `receiver` when `call` (done) failed. One that ended OK sent its TransferDone
+    after the bytes, which the receiver reads to their end."""
+    if await call.code() != grpc.StatusCode.OK:
+        receiver.stop_reading()

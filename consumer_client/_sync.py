@@ -5,10 +5,11 @@ concurrently as independent streams, and no call waits for another (the lock bel
 opening the channel, never a call). All decisions are in `_core` and `_session`; this module
 only waits: it iterates the Fetch stream on the caller's thread, arms the first-chunk watchdog
 (`_alarms.py`; the total timeout is the call's gRPC deadline; a TCP data connection's reads
-are bounded by both, `_tcp.py`), and cancels the call when the session gives up on it.
-Background work runs on daemon threads: one ServerInfo read after first use, the first-chunk
-watchdogs (one thread), and the confirmations of deliveries (one worker thread, so a load
-returns as soon as it is verified).
+are bounded by both, `_tcp.py`), watches the call while a data connection is read for long
+(`_call_watch.py`), and cancels the call when the session gives up on it. Background work
+runs on daemon threads: one ServerInfo read after first use, the alarms (one thread), a call
+watch per load that reads a data connection for more than a second, and the confirmations
+of deliveries (one worker thread, so a load returns as soon as it is verified).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc
 
 from ._alarms import Alarms
+from ._call_watch import WATCH_AFTER_S, CallWatch
 from ._channel import DEFAULT_MAX_CHUNK_BYTES, ChannelSettings
 from ._core import (
     CONFIRM_FLUSH_S,
@@ -123,7 +125,7 @@ class KVConsumer(ClientBase):
         self._stub: Any = None
         self._fetch: Any = None
         self._confirmer: ThreadPoolExecutor | None = None
-        self._first_chunk_alarms = Alarms()
+        self._alarms = Alarms()
         self._pending: set[futures.Future[None]] = set()
         # The keep-alives this client started, ended by its close (held weakly: a keep-alive
         # dropped by its caller is no business of the client's).
@@ -154,7 +156,7 @@ class KVConsumer(ClientBase):
             keep_alive.client_closed()
         self._core.shm.close()
         self._core.data_connections.close()
-        self._first_chunk_alarms.close()
+        self._alarms.close()
         if channel is not None:
             channel.close()
 
@@ -357,7 +359,7 @@ class KVConsumer(ClientBase):
             timeout=session.remaining_s(),
             metadata=self._core.channel.metadata,
         )
-        alarms = self._first_chunk_alarms
+        alarms = self._alarms
         watchdog = alarms.arm(session.first_chunk_remaining_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
         finished = False  # ... and the producer ended it: no copy of it is still running
@@ -369,7 +371,7 @@ class KVConsumer(ClientBase):
                 step = session.feed(raw)
                 if step is Step.OFFER:  # the bytes come over a data connection of their own
                     assert session.offer is not None
-                    step = self._receive(session)
+                    step = self._receive(session, call)
                 if step is not Step.CONTINUE:
                     break
             else:
@@ -406,9 +408,10 @@ class KVConsumer(ClientBase):
                 # Cut off: a copy into the caller's memory may still run; wait it out.
                 self._core.shm.settle(session.shm.lend_id, session.settle_within_s())
 
-    def _receive(self, session: LoadSession) -> Step:
+    def _receive(self, session: LoadSession, call: Any) -> Step:
         """Reads the data connection on the calling thread; close() aborts it, and the load
-        then ends CANCELLED."""
+        then ends CANCELLED. Past WATCH_AFTER_S a thread reads `call` meanwhile, and what it
+        read is fed here."""
         assert session.offer is not None
         receiver = self._core.tcp_receiver(session.offer)
         with self._lock:
@@ -417,11 +420,18 @@ class KVConsumer(ClientBase):
                 self._receivers.add(receiver)
         if not reading and self._core.closed_under(session):
             return Step.ABANDON
+        watch = CallWatch(call, receiver.stop_reading)
+        alarm = self._alarms.arm(WATCH_AFTER_S, watch.start)
+        step = Step.ABANDON  # unless `run` returns: the call is then given up on
         try:
             step = receiver.run(session)
         finally:
+            self._alarms.disarm(alarm)
             with self._lock:
                 self._receivers.discard(receiver)
+            message = watch.finish(cancel=step is not Step.CONTINUE)
+        if message is not None and step is Step.CONTINUE:
+            step = session.feed(message)
         if step is not Step.DONE and self._core.closed_under(session):
             return Step.ABANDON
         return step

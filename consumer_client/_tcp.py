@@ -17,6 +17,7 @@ import functools
 import math
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from typing import cast
@@ -100,7 +101,8 @@ def data_address(offered: str, target: str) -> Address:
 
 
 class TcpReceiver:
-    """One data connection. `abort()` (from another thread) ends a `run` in progress."""
+    """One data connection. `abort()` or `stop_reading()` (from another thread) ends a `run`
+    in progress."""
 
     def __init__(
         self,
@@ -122,14 +124,31 @@ class TcpReceiver:
         self._on_connected = on_connected
         self._sock: socket.socket | None = None
         self._aborted = False
+        # `stop_reading` ran (from another thread): the connection is not kept. `_sock` is
+        # handed over under `_lock`, so a connection either goes back to `connections` whole
+        # or is shut down here, never shut down after another load took it.
+        self._stopped = False
+        self._lock = threading.Lock()
         # Where this connection goes when its transfer ends with the end frame, and under
         # which key (None: the client keeps no connections).
         self._connections = connections
         self._key: tuple[str, int, bool, str | None] | None = None
 
     def abort(self) -> None:
+        """The load was abandoned (the client closed, the caller cancelled): a `run` in
+        progress returns ABANDON."""
         self._aborted = True
-        sock = self._sock
+        self.stop_reading()
+
+    def stop_reading(self) -> None:
+        """Ends a `run` in progress as if the producer had closed the connection: `run`
+        returns CONTINUE and the load reads its call's status. For a call that failed while
+        its bytes were read (a producer that stopped answering keepalive pings): a frozen
+        process or a host gone silent leaves the data connection open, and the read would
+        otherwise wait out the load's deadline."""
+        with self._lock:
+            self._stopped = True
+            sock = self._sock
         if sock is not None:
             # close() alone does not wake a thread blocked in recv on this socket (Linux), and
             # the connection stays open until that recv returns: shut it down first.
@@ -252,6 +271,8 @@ class TcpReceiver:
         ended = False  # the end frame came: the connection is idle and may be kept
         bounded = cast(socket.socket, _Bounded(sock, session))
         try:
+            if self._stopped:  # it ran before `_sock` named this socket, which it missed
+                return Step.ABANDON if self._aborted else Step.CONTINUE
             while True:
                 header = recv_header(bounded)
                 if header is None:
@@ -282,12 +303,14 @@ class TcpReceiver:
 
     def _release(self, ended: bool) -> None:
         """Keeps the connection for the next load when its transfer ended with the end frame
-        (and nobody aborted it meanwhile), else closes it."""
-        sock, self._sock = self._sock, None
+        (and nobody stopped the reading meanwhile), else closes it."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+            keep = ended and not self._stopped and self._connections is not None
         if sock is None:
             return
-        if ended and not self._aborted and self._connections is not None:
-            assert self._key is not None
+        if keep:
+            assert self._key is not None and self._connections is not None
             self._connections.give(self._key, sock)
         else:
             sock.close()

@@ -1,6 +1,6 @@
-"""The blocking client's first-chunk watchdogs: one thread fires every alarm of a client, in
-deadline order, never one that was disarmed, none after close. Real threads; every wait is
-for a condition (an alarm firing), bounded."""
+"""The blocking client's alarms (first-chunk watchdogs, call watches): one thread fires every
+alarm of a client, in deadline order, never one that was disarmed, none after close. Real
+threads; every wait is for a condition (an alarm firing), bounded."""
 
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ def test_alarms_fire_in_deadline_order_and_a_disarmed_one_never() -> None:
 
 def test_one_thread_serves_every_alarm_and_ends_on_close() -> None:
     alarms = Alarms()
-    before = {t for t in threading.enumerate() if t.name == "kvpark-first-chunk"}
+    before = {t for t in threading.enumerate() if t.name == "kvpark-alarms"}
     rang = threading.Event()
     for _ in range(100):
         alarms.disarm(alarms.arm(60, lambda: None))
     alarms.arm(0.01, rang.set)
     assert rang.wait(BOUND_S)
-    started = {t for t in threading.enumerate() if t.name == "kvpark-first-chunk"} - before
+    started = {t for t in threading.enumerate() if t.name == "kvpark-alarms"} - before
     assert len(started) == 1
     late = alarms.arm(60, lambda: None)
     alarms.close()
