@@ -778,6 +778,12 @@ class ShmLendingServer:
                 return "the descriptor is not a memfd (it cannot be sealed)"
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return "the descriptor is not a memfd"
+            # A hugetlbfs memfd (MFD_HUGETLB; its file system's block is the huge page, a plain
+            # memfd's the base page): a page its client frees under our mapping (a punched
+            # hole) comes back only from the node's reserved huge pages, and with none free
+            # the producer's copy would die of SIGBUS.
+            if os.fstatvfs(fd).f_bsize != mmap.PAGESIZE:
+                return "the memfd is backed by huge pages (MFD_HUGETLB): lend a plain memfd"
             if seals & REQUIRED_SEALS != REQUIRED_SEALS:
                 return "the memfd is not sealed against shrinking and growing"
             st = os.fstat(fd)  # after the seals were seen: the size can no longer change

@@ -156,8 +156,8 @@ def is_closed(sock: socket.socket) -> bool:
     return sock.recv(1) == b""
 
 
-def memfd(nbytes: int, seals: int, allocate: bool = True) -> int:
-    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def memfd(nbytes: int, seals: int, allocate: bool = True, flags: int = 0) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
     os.ftruncate(fd, nbytes)
     if allocate:
         os.posix_fallocate(fd, 0, nbytes)
@@ -372,6 +372,9 @@ def test_unsuitable_descriptors_are_refused_and_closed(
         "shrink only": memfd(MiB, fcntl.F_SEAL_SHRINK),
         "not allocated": memfd(MiB, both, allocate=False),
         "empty": memfd(0, both, allocate=False),
+        # Sealed and of a huge page's size; not allocated, as a node with no huge pages
+        # reserved cannot, which the huge-page check answers first.
+        "huge pages": memfd(2 * MiB, both, allocate=False, flags=os.MFD_HUGETLB),
         "regular file": os.open(plain, os.O_RDWR | os.O_CLOEXEC),
         "pipe": pipe_read,
     }
@@ -380,6 +383,7 @@ def test_unsuitable_descriptors_are_refused_and_closed(
         "shrink only": "not sealed",
         "not allocated": "not fully allocated",
         "empty": "empty",
+        "huge pages": "backed by huge pages",
         "regular file": "not a memfd",
         "pipe": "not a memfd",
     }
