@@ -61,8 +61,16 @@ class Alarms:
             heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._order), alarm))
             self._armed += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvpark-alarms", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="kvpark-alarms", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:
+                    # No thread to be had (a pids limit). The alarm stays armed and the next
+                    # `arm` tries again; until then no alarm fires, and a load is bounded by
+                    # its total deadline alone.
+                    log.warning("kvpark: the client's alarms cannot run yet: %s", exc)
+                else:
+                    self._thread = thread
             elif self._heap[0][2] is alarm:
                 self._cond.notify()  # due before whatever the thread sleeps until
         return alarm

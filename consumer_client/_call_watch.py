@@ -17,9 +17,12 @@ that read for less time (580 MB take about 0.2 s on loopback) start no thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("kvpark.client")
 
 # Late enough that nearly every load is over before it, early enough to add little to the
 # channel's keepalive (a ping every 2 s, 2 s to answer) before a frozen producer is noticed.
@@ -44,10 +47,13 @@ class CallWatch:
         with self._lock:
             if self._finished:
                 return
-            self._thread = threading.Thread(
-                target=self._watch, name="kvpark-call-watch", daemon=True
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._watch, name="kvpark-call-watch", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (a pids limit): go on unwatched
+                log.debug("kvpark: the load's call goes unwatched: %s", exc)
+                return
+            self._thread = thread
 
     def finish(self, *, cancel: bool) -> Any:
         """Takes the call back for the load: the message the watch read from it, or None.

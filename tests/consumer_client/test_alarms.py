@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kvpark.client._alarms import Alarms
 
 BOUND_S = 10.0  # how long a test waits for an alarm that must fire
@@ -58,3 +60,25 @@ def test_one_thread_serves_every_alarm_and_ends_on_close() -> None:
     thread.join(BOUND_S)
     assert not thread.is_alive() and not late.fired
     assert not alarms.arm(0.01, lambda: None).fired  # after close: never armed
+
+
+def test_alarms_armed_while_no_thread_can_start_fire_once_one_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread to be had (a pids limit): arming does not fail the load that arms; the alarm
+    waits, and fires once a later arm gets the thread started."""
+    alarms = Alarms()
+    real_start = threading.Thread.start
+
+    def no_alarms_thread(thread: threading.Thread) -> None:
+        if thread.name == "kvpark-alarms":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_alarms_thread)
+    early, late = threading.Event(), threading.Event()
+    waited = alarms.arm(0.01, early.set)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    alarms.arm(0.01, late.set)
+    assert early.wait(BOUND_S) and late.wait(BOUND_S) and waited.fired
+    alarms.close()

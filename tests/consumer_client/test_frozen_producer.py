@@ -82,10 +82,25 @@ def test_a_frozen_producer_ends_a_tcp_load_as_it_ends_a_stream(
     assert result.transport == "tcp" and result.chunks_loaded == 1, result
 
 
-def test_a_long_read_whose_call_is_watched_still_ends_whole(producer_process: Start) -> None:
+@pytest.mark.parametrize("watch_thread", ["starts", "cannot start"])
+def test_a_long_read_whose_call_is_watched_still_ends_whole(
+    producer_process: Start, monkeypatch: pytest.MonkeyPatch, watch_thread: str
+) -> None:
     """Chunk 1 is parked only once the blocking client watches the call (a thread reads it
     while the caller's thread reads the data connection): the TransferDone that thread reads
-    is the load's, which ends ok with every byte and is confirmed."""
+    is the load's, which ends ok with every byte and is confirmed. Where no thread can be
+    started (a pids limit), the load goes on unwatched, as well."""
+    tried = threading.Event()
+    if watch_thread == "cannot start":
+        real_start = threading.Thread.start
+
+        def no_watch_thread(thread: threading.Thread) -> None:
+            if thread.name == "kvpark-call-watch":
+                tried.set()
+                raise RuntimeError("can't start new thread")
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", no_watch_thread)
     producer = producer_process(data_listen="127.0.0.1:0")
     chunks = payload(2, MiB, seed=7)
     park_sync(producer.target, "half", {0: chunks[0]}, total=2)
@@ -103,7 +118,9 @@ def test_a_long_read_whose_call_is_watched_still_ends_whole(producer_process: St
         loader.start()
         wait_for(first_landed.is_set, what="chunk 0 over the data connection")
         wait_for(
-            lambda: any(t.name == "kvpark-call-watch" for t in threading.enumerate()),
+            lambda: (
+                tried.is_set() or any(t.name == "kvpark-call-watch" for t in threading.enumerate())
+            ),
             what="the call watched",
         )
         park_sync(producer.target, "half", {1: chunks[1]}, total=2)
