@@ -191,24 +191,26 @@ class TcpReceiver:
             answer = _present(sock, offer.ticket, left)
         except FrameError:
             # The producer closed the connection without a word: it no longer waited for this
-            # ticket (the Fetch ended meanwhile, or its handshake took too long there).
+            # ticket (the Fetch ended meanwhile, or its handshake took too long there), unless
+            # we cut it off ourselves.
+            turned_away = not self._stopped
             self.abort()
             raise Fallback(
                 f"data connection to {address}: the ticket was not taken",
-                transport="tcp", path_failed=False, turned_away=True,
+                transport="tcp", path_failed=False, turned_away=turned_away,
             ) from None  # fmt: skip
         except (OSError, ssl.SSLError) as exc:
-            # A failure the load's own abort caused, a timeout with little time to try, or a
-            # connection the producer took and then closed before any answer (it refuses
-            # what it cannot take now: a host over its share of handshake slots, a ticket of
-            # a Fetch that ended) says nothing about the path, unless the last keeps
-            # happening (TURNED_AWAY_IN_A_ROW); nor does a slow name lookup, whose answer
-            # serves the next load.
+            # A failure we caused (an abort, or `stop_reading` after the call failed), a
+            # timeout with little time to try, or a connection the producer took and then
+            # closed before any answer (it refuses what it cannot take now: a host over its
+            # share of handshake slots, a ticket of a Fetch that ended) says nothing about the
+            # path, unless the last keeps happening (TURNED_AWAY_IN_A_ROW); nor does a slow
+            # name lookup, whose answer serves the next load.
             closed_by_producer = (
-                connected and not self._aborted and isinstance(exc, _CLOSED_BY_PEER)
+                connected and not self._stopped and isinstance(exc, _CLOSED_BY_PEER)
             )
             conclusive = (
-                not self._aborted
+                not self._stopped
                 and not closed_by_producer
                 and not isinstance(exc, LookupTimedOut)
                 and (not isinstance(exc, TimeoutError) or fresh_s >= CONCLUSIVE_TIMEOUT_S)
