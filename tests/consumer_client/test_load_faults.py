@@ -26,7 +26,7 @@ from conftest import MiB, free_port, running_producer, wait_for, wait_until
 from kvpark import AsyncKVConsumer, BufferTooSmallError, KVConsumer, KVParker, Reason, Timeout
 from kvpark.client._buffers import IntoBuffer, destination_for
 from kvpark.client._session import LoadSession, Step
-from kvpark.client._tcp import TcpReceiver
+from kvpark.client._tcp import Fallback, TcpReceiver
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 from kvpark.shm import FETCH_ROLE, SharedBuffer, ShmLender
@@ -122,6 +122,46 @@ def test_a_trickling_data_connection_cannot_stretch_a_load_past_its_deadline() -
             stop.set()
             producer.join()
             receiving.join()
+
+
+def test_a_data_connection_cut_off_while_its_ticket_waits_is_no_verdict_on_the_path() -> None:
+    """The load's call failed while its data connection waited for the ticket's answer, and
+    the client cut the connection off (stop_reading): the load falls back, without counting
+    that against the path or as the producer turning the load away."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        ticket_read = threading.Event()
+
+        def never_answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                read_ticket(conn)
+                ticket_read.set()
+                conn.recv(1)  # until the client closes
+
+        producer = threading.Thread(target=never_answer)
+        producer.start()
+        session = one_chunk_tcp_session(IntoBuffer(bytearray(1000)), Timeout(PROMPTLY_S))
+        receiver = TcpReceiver(data_offer(port), f"127.0.0.1:{port}", None)
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                receiver.run(session)
+            except Fallback as why:
+                outcome["why"] = why
+
+        receiving = threading.Thread(target=run)
+        receiving.start()
+        try:
+            wait_for(ticket_read.is_set, what="the ticket presented")
+            receiver.stop_reading()
+            receiving.join(PROMPTLY_S)
+            assert not receiving.is_alive()
+        finally:
+            producer.join(PROMPTLY_S)
+    why = outcome["why"]
+    assert not why.path_failed and not why.turned_away, why
 
 
 @pytest.mark.parametrize("nbytes", [0, 1 << 62, (16 << 20) + 1])
