@@ -89,6 +89,10 @@ class DataListener:
         # ticket -> the Fetch's future for its connection. Added by `expect`, removed by the
         # connection that presents the ticket or by `forget` when the Fetch ends.
         self._waiting: dict[bytes, asyncio.Future[socket.socket]] = {}
+        # Tickets taken out of `_waiting` by a connection whose ACCEPTED byte is being sent;
+        # `forget` drops them too, so a send that fails puts back only a ticket whose Fetch
+        # still waits.
+        self._answering: set[bytes] = set()
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         # Source host -> its new connections' handshakes in progress, and their sum (under
@@ -167,6 +171,7 @@ class DataListener:
         """The Fetch ended: its ticket opens nothing any more."""
         with self._lock:
             self._waiting.pop(ticket, None)
+            self._answering.discard(ticket)
 
     def keep(self, conn: socket.socket) -> None:
         """A Fetch ended with the end frame on `conn`: wait on it for the consumer's next
@@ -415,6 +420,8 @@ class DataListener:
         ConnectionRefusedError when no Fetch waits for it."""
         with self._lock:
             future = self._waiting.pop(ticket, None)
+            if future is not None:
+                self._answering.add(ticket)
         if future is None:
             raise ConnectionRefusedError("no Fetch waits for this ticket")
         # One byte into a socket whose consumer has read all we sent: it never waits, so the
@@ -425,9 +432,14 @@ class DataListener:
                 raise ConnectionError("no room for the ACCEPTED byte")
         except BaseException:
             with self._lock:
-                if not future.done():  # a Fetch that gave up meanwhile has forgotten it
+                # Not when its Fetch ended meanwhile (`forget` ran, or its future is done):
+                # put back then, the ticket would wait for ever, for nobody.
+                if ticket in self._answering and not future.done():
                     self._waiting.setdefault(ticket, future)
             raise
+        finally:
+            with self._lock:
+                self._answering.discard(ticket)
         conn.setblocking(True)
         if kept:
             self.reused += 1

@@ -197,3 +197,27 @@ async def test_a_ticket_whose_answer_found_no_room_stays_good_for_the_next_conne
         assert (listener.accepted, listener.reused) == (1, 0)
     finally:
         listener.stop()
+
+
+async def test_a_ticket_whose_fetch_ended_while_its_answer_failed_is_not_put_back() -> None:
+    """The Fetch ends (and forgets its ticket) while a connection's ACCEPTED byte for that
+    ticket is being sent, and the send fails: the ticket is not put back to wait for ever,
+    and a connection that presents it afterwards is refused."""
+    listener = DataListener(Address.parse("127.0.0.1:0"), tls=None, loop=asyncio.get_running_loop())
+    port = listener.start()
+    try:
+        ticket, _ = listener.expect()
+
+        class FetchEndsMeanwhile(NoRoom):
+            def send(self, data: bytes) -> int:
+                listener.forget(ticket)
+                return super().send(data)
+
+        with pytest.raises(BlockingIOError):
+            listener._answer(FetchEndsMeanwhile(), ticket, kept=True)  # type: ignore[arg-type]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(ticket)
+            assert sock.recv(1) == b"", "a ticket whose Fetch ended opened a connection"
+        assert listener.accepted == 0
+    finally:
+        listener.stop()
