@@ -444,7 +444,11 @@ class AsyncKVConsumer(ClientBase):
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
             if session.shm is not None and not finished:
-                # Cut off: a copy into the caller's memory may still run; wait it out.
+                # Cut off: a copy into the caller's memory may still run; wait it out. Marked
+                # so here, on the loop: a caller that cancels this wait as well ends the load
+                # before the settle's thread may have run, and the staging buffer must not go
+                # to the next load unmarked.
+                self._core.shm.expect_late_copies(session.shm.lend_id)
                 await asyncio.shield(
                     asyncio.to_thread(
                         self._core.shm.settle, session.shm.lend_id, session.settle_within_s()

@@ -207,9 +207,7 @@ class ShmAccess:
         producer cannot say so in time, the fact is logged: it may then still finish one copy
         into that memory. The connection and the other lends made over it stay either way."""
         lent, call = split_call_id(lend_id)
-        # Retired until the producer says no copy runs: a load that takes the staging buffer
-        # meanwhile (an async load's caller cancelled this wait) stages through a new one.
-        self._retire_staging(lent, True)
+        self.expect_late_copies(lend_id)
         if call is None:
             self._forget_lend(lent)
         with self._lock:
@@ -229,6 +227,12 @@ class ShmAccess:
         self._retire_staging(lent, False)  # settled: no late copy can land any more
         if not still_lent:
             self._forget_lend(lent)
+
+    def expect_late_copies(self, lend_id: str) -> None:
+        """A call naming `lend_id` was cut off: until `settle` hears from the producer that no
+        copy of it runs any more, a load that takes the staging buffer meanwhile (an async
+        load's caller cancelled the wait for the settle) stages through a new one."""
+        self._retire_staging(split_call_id(lend_id)[0], True)
 
     def _retire_staging(self, lend_id: str, retired: bool) -> None:
         """Whether a late copy may still land in the buffer lent as `lend_id`: while it may and

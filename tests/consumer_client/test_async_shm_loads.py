@@ -1,7 +1,8 @@
 """Asyncio loads over shared memory into ordinary memory (through the client's staging buffer),
 against real producers: a load cancelled while it lends the staging buffer gives it back, a
 load that needs a bigger staging buffer keeps to its timeout when the producer stopped
-answering, and the copies out of the staging buffer run off the event loop.
+answering, the copies out of the staging buffer run off the event loop, and a load cancelled
+twice, the second time while its cut-off call settles, leaves the staging buffer marked.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import MiB, ProducerProcess, running_producer, wait_until
+from conftest import MiB, ProducerProcess, park, running_producer, stub_for, wait_until
 from consumer_support import park_sync
 
 from kvpark import AsyncKVConsumer, AsyncKVParker, Reason
@@ -102,3 +103,45 @@ async def test_chunks_are_copied_out_of_the_staging_buffer_off_the_event_loop(
     assert result.ok and result.transport == "shm", result
     assert into.tobytes() == b"".join(c.tobytes() for c in data)
     assert copied_on and threading.get_ident() not in copied_on
+
+
+async def test_a_load_cancelled_again_while_it_settles_leaves_the_staging_buffer_marked(
+    shm_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged shm load waits for chunk 1 of 2; its caller cancels it, and cancels again
+    while the cut-off call settles, before the settle's thread has run. The load ends then,
+    and the staging buffer it gives back must already be marked as one a late copy of that
+    call may still land in, so the next load stages through a new one."""
+    async with running_producer(shm_socket=shm_socket) as server:
+        async with stub_for(server) as stub:
+            await park(stub, "half", {0: bytes(MiB)}, total=2)
+        async with AsyncKVConsumer(server.target, transport="shm", confirm=False) as consumer:
+            shm = consumer._core.shm
+            settling, settle_may_run = threading.Event(), threading.Event()
+            real_settle = shm.settle
+
+            def held_settle(*args: object) -> None:
+                settling.set()
+                settle_may_run.wait(30)
+                real_settle(*args)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(shm, "settle", held_settle)
+            first_landed = asyncio.Event()
+            loading = asyncio.create_task(
+                consumer.load(
+                    "half",
+                    num_chunks=2,
+                    into=np.empty(2 * MiB, np.uint8),
+                    on_chunk=lambda *_: first_landed.set(),
+                )
+            )
+            await asyncio.wait_for(first_landed.wait(), 10)
+            loading.cancel()
+            await wait_until(settling.is_set, what="the settle's thread started")
+            loading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await loading
+            try:
+                assert shm._staging_tainted, "the staging buffer went back unmarked"
+            finally:
+                settle_may_run.set()
