@@ -10,7 +10,8 @@ for the purpose (one copy more, done by the client).
 Shared memory is used only with the producer the client talks gRPC to: the socket's handshake
 names its process epoch, and a client that knows its producer's epoch from ServerInfo refuses a
 socket of another process. A socket that cannot be reached is not tried again for a while, so
-a worker without shared memory pays for the attempt once, not on every load.
+a worker without shared memory pays for the attempt once, not on every load; nor does it make
+a staging buffer without a socket to lend it over.
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ class ShmAccess:
             self._staging_busy = True
             old = self._staging
             tainted = self._staging_tainted
+        # A buffer is made (and its every page allocated) only with a socket to lend it over:
+        # a worker whose producer offers no shared memory, or whose socket it cannot reach (a
+        # decode host across the network), would otherwise keep one the size of its largest
+        # load for nothing, and pay for the allocation inside a load's time.
+        if self._connected(_left(deadline)) is None:
+            self.unstage()
+            return None
         buffer = old
         if buffer is None or buffer.nbytes < nbytes or tainted:
             try:
