@@ -339,8 +339,8 @@ class Screen:
 
 # ---------------------------------------------------------------------------------- loop
 def watch(args: argparse.Namespace) -> bool:
-    """Runs the view until `q`, Ctrl-C or `--count`; returns whether the last refresh reached
-    the producer."""
+    """Runs the view until `q`, Ctrl-C or `--count`; returns False only when `--count` ended
+    it and the last refresh did not reach the producer."""
     connection = Connection.from_args(args)
     view = TopView(args.target, args.interval)
     keys = Keys(sys.stdin)
@@ -355,7 +355,7 @@ def watch(args: argparse.Namespace) -> bool:
                     view.fail(exc)
                 screen.show(view, keys=keys.active)
                 if args.count is not None and view.refresh >= args.count:
-                    break
+                    return view.error is None
                 typed = keys.wait(started + args.interval)
                 if typed is not None and "q" in typed.lower():
                     break
@@ -365,4 +365,4 @@ def watch(args: argparse.Namespace) -> bool:
         # The reader of a pipe (`kvpark top | head`) went away: done. Stdout is pointed at
         # /dev/null so that the interpreter's last flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return view.error is None
+    return True
