@@ -35,9 +35,9 @@ the only place they are registered, and `build_parser` is the only place argpars
 about them. `kvpark bench` (kvpark.client.bench) is registered here like the others.
 
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
-release it refused), a fetch whose bytes could not all be written to `--out` (the delivery is
-then not confirmed: the producer keeps the id for a retry within its delivery grace; a file
-written in full whose confirm fails is 0, with a warning), or,
+release it refused, a request it called malformed), a fetch whose bytes could not all be
+written to `--out` (the delivery is then not confirmed: the producer keeps the id for a retry
+within its delivery grace; a file written in full whose confirm fails is 0, with a warning), or,
 asking several producers, at least one of them did not answer (the others' rows are printed
 all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
 host:port, unreadable token file, a TLS file that is not a PEM certificate or key,
@@ -69,7 +69,7 @@ from kvpark.alloc import tune_allocator
 from kvpark.fingerprints import fingerprint_problem
 
 from . import cli_fleet, cli_top
-from ._errors import KVParkError, RPCError, UsageError
+from ._errors import KVParkError, RequestRejectedError, RPCError, UsageError
 from ._models import IdStatus
 from ._result import LoadResult, Reason
 from ._sync import KVConsumer
@@ -569,6 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"kvpark {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RequestRejectedError as exc:  # the producer answered: it refused the request
+        print(f"kvpark {args.command}: {args.target}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except RPCError as exc:
         print(f"kvpark {args.command}: {args.target}: {exc}", file=sys.stderr)
         return EXIT_RPC

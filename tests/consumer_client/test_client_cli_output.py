@@ -171,6 +171,22 @@ async def test_a_fetch_that_times_out_after_chunks_arrived_exits_1(
         assert "failed: TIMEOUT after 1 chunks" in capsys.readouterr().out
 
 
+async def test_a_fetch_the_producer_calls_malformed_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Chunk ids beyond the id's chunks: the producer answered (INVALID_ARGUMENT), so it is
+    a refusal (1), not a call that did not get through (3); the id stays parked."""
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "two", {0: b"a" * 100, 1: b"b" * 100}, total=2)
+        out = tmp_path / "x.kv"
+        code = await run_cli(
+            "--target", server.target, "fetch", "two", "--chunk-ids", "5", "--out", str(out)
+        )  # fmt: skip
+        assert code == cli.EXIT_FAILED
+        assert "INVALID_ARGUMENT" in capsys.readouterr().err and not out.exists()
+        assert (await state_of(stub, "two")).state == pb.STATE_PARKED
+
+
 @pytest.mark.parametrize(
     ("target", "message"),
     [
