@@ -126,8 +126,8 @@ class LoadResult:
     chunk_sizes: tuple[int, ...]
     # Wall time of the whole call, seconds (includes first contact).
     elapsed_s: float
-    # Epoch of the producer that answered: the expected epoch when one was given and the load
-    # succeeded, else the last ServerInfo read; 0 when unknown (e.g. after EPOCH_MISMATCH).
+    # Epoch of the producer that answered: the one its TransferDone named, else the last
+    # ServerInfo read (not after EPOCH_MISMATCH, which that may predate); 0 when unknown.
     producer_epoch: int
     # The gRPC status the call ended with when it ended with an error status; None otherwise.
     grpc_code: grpc.StatusCode | None = None
