@@ -173,7 +173,8 @@ class ProducerConfig:
         default=600.0,
         metadata=_key(
             _SECONDS,
-            "longest lease, from an id's first commit, however often it is kept alive; "
+            "longest lease, from an id's first commit, however often it is kept alive or its "
+            "fetches stall; also the longest a Park batch stays open without a commit; "
             ">= unbound_store_timeout_s",
         ),
     )

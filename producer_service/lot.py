@@ -181,6 +181,10 @@ class ParkBatch:
     entry: _Entry
     reservation: Reservation | None
     last_activity: float
+    # When the Park call opened it: however busy, a batch never holds its pages for longer
+    # than max_lease_s without a commit (a stream that re-sends the same chunk now and then
+    # takes no pages and is never silent, and would otherwise hold its reservation for ever).
+    opened_at: float
     fingerprint: bytes = b""
     pending: dict[int, _Stored] = field(default_factory=dict)
     # Every Chunk message counts, repeats included: the commit must name the same counts.
@@ -407,7 +411,9 @@ class Lot:
             self._entries[kv_request_id] = entry
         if total_chunks:
             self._set_total(entry, total_chunks)
-        batch = ParkBatch(entry, reservation, last_activity=now, fingerprint=fingerprint)
+        batch = ParkBatch(
+            entry, reservation, last_activity=now, opened_at=now, fingerprint=fingerprint
+        )
         entry.open_batches.append(batch)
         self._open_batches[batch] = None
         return batch
@@ -945,7 +951,12 @@ class Lot:
         if fresh_timer and entry.deadline is not None:
             s = self.settings
             span = s.delivery_grace_s if entry.delivery_id else s.unbound_store_timeout_s
-            entry.deadline = max(entry.deadline, self.clock() + span)
+            fresh = self.clock() + span
+            if not entry.delivery_id and entry.committed_at is not None:
+                # A lease, however renewed, ends max_lease_s after the first commit: a consumer
+                # that binds and stalls again and again must not keep the id for ever.
+                fresh = min(fresh, entry.committed_at + s.max_lease_s)
+            entry.deadline = max(entry.deadline, fresh)
         if entry.deadline is not None:
             self._push_timer(entry)
         self._drop_if_idle(entry)
@@ -1078,9 +1089,17 @@ class Lot:
 
     def _expire_idle_batches(self, now: float) -> None:
         idle_s = self.settings.park_idle_timeout_s
-        stale = [b for b in self._open_batches if now - b.last_activity >= idle_s]
+        open_s = self.settings.max_lease_s
+        stale = [
+            b
+            for b in self._open_batches
+            if now - b.last_activity >= idle_s or now - b.opened_at >= open_s
+        ]
         for batch in stale:
-            detail = f"the Park stream sent nothing for {idle_s:g}s (park_idle_timeout_s)"
+            if now - batch.last_activity >= idle_s:
+                detail = f"the Park stream sent nothing for {idle_s:g}s (park_idle_timeout_s)"
+            else:
+                detail = f"the Park stayed open {open_s:g}s without a commit (max_lease_s)"
             self._undo_from_outside(batch, Refusal(NOT_COMMITTED, detail))
         self.idle_batches_total += len(stale)
 

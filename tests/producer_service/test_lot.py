@@ -930,6 +930,27 @@ def test_a_batch_silent_for_park_idle_timeout_is_undone_not_committed_and_woken(
     assert rig.stats().tombstones == 0
 
 
+def test_a_batch_that_re_sends_a_chunk_forever_is_undone_after_max_lease(rig: Rig) -> None:
+    """A Park stream that is never silent (it sends the same chunk again every 9 s, which
+    takes no pages) is still undone once it has been open for max_lease_s without a commit:
+    its reservation goes back to the pool."""
+    batch = rig.begin("r", batch_bytes=8 * PAGE)
+    rig.chunk(batch, 0, blob("r", 0))
+    for _ in range(66):  # 594 s
+        rig.advance(9)
+        assert rig.chunk(batch, 0, blob("r", 0)) is None
+        rig.reap()
+    assert rig.woken == [] and rig.stats().open_batches == 1
+    rig.advance(6)
+    rig.reap()
+    assert rig.woken == [batch]
+    refusal = assert_refused(rig.commit(batch), NOT_COMMITTED)
+    assert "max_lease_s" in refusal.detail
+    stats = rig.stats()
+    assert (stats.idle_batches_total, stats.open_batches, stats.pending_bytes) == (1, 0, 0)
+    rig.assert_stored(0)
+
+
 def test_keepalive_does_not_renew_an_open_batch(rig: Rig) -> None:
     batch = rig.begin("k")
     rig.chunk(batch, 0, blob("k", 0))
@@ -1538,6 +1559,21 @@ def test_a_stall_never_shortens_a_longer_lease(rig: Rig) -> None:
     assert rig.stats().stalled_fetches_total == 1
 
 
+def test_stalls_never_keep_an_id_past_max_lease(rig: Rig) -> None:
+    """A consumer that binds and stalls again and again: each stall gives a fresh lease, but
+    none runs past max_lease_s (600 s) from the first commit."""
+    rig.parked("s", [0])
+    for _ in range(11):
+        rig.advance(50)
+        rig.lot.stall_fetch(rig.bound("s"))
+    # At 550 s a fresh lease would run to 610 s; the cap ends it at 600.
+    assert rig.state("s").lease_remaining_s == 50.0
+    rig.advance(49.5)
+    assert rig.reap() == []
+    rig.advance(0.5)
+    assert rig.reap() == ["s"]
+
+
 def test_a_stalled_demand_leaves_nothing_behind(rig: Rig) -> None:
     rig.lot.stall_fetch(rig.bound("nothing"))
     assert rig.state("nothing") == IdStatus("nothing", pb.STATE_UNKNOWN)
@@ -2129,6 +2165,7 @@ class MBatch:
     reserved_pages: int  # reserved and not used by a chunk yet
     has_reservation: bool
     last_activity: float
+    opened_at: float
     pending: dict[int, bytes] = field(default_factory=dict)
     sent_chunks: int = 0
     sent_bytes: int = 0
@@ -2342,7 +2379,7 @@ class LotMachine(RuleBasedStateMachine):
         if total and entry.total != total:
             entry.total = total
             self.notify(entry)
-        mb = MBatch(entry, opened, pages(batch_bytes), bool(batch_bytes), self.now)
+        mb = MBatch(entry, opened, pages(batch_bytes), bool(batch_bytes), self.now, self.now)
         opened.wake = functools.partial(self.woke, mb)
         self.batches.append(mb)
         return mb
@@ -2550,7 +2587,10 @@ class LotMachine(RuleBasedStateMachine):
         if fresh and entry.deadline is not None:
             s = self.s
             span = s.delivery_grace_s if entry.delivery_id else s.unbound_store_timeout_s
-            entry.deadline = max(entry.deadline, self.now + span)
+            fresh_deadline = self.now + span
+            if not entry.delivery_id and entry.committed_at is not None:
+                fresh_deadline = min(fresh_deadline, entry.committed_at + s.max_lease_s)
+            entry.deadline = max(entry.deadline, fresh_deadline)
         if entry.deadline is not None:
             self.arm(entry)
         self.drop_if_idle(entry)
@@ -2830,7 +2870,11 @@ class LotMachine(RuleBasedStateMachine):
             self.end(entry, ALREADY_CONSUMED)
         self.totals["reaped_total"] += len(expired)
         self.totals["consumed_total"] += len(unconfirmed)
-        idle = [b for b in self.open_batches() if now - b.last_activity >= s.park_idle_timeout_s]
+        idle = [
+            b
+            for b in self.open_batches()
+            if now - b.last_activity >= s.park_idle_timeout_s or now - b.opened_at >= s.max_lease_s
+        ]
         for mb in idle:
             self.fail(mb, NOT_COMMITTED, outside=True)
         self.totals["idle_batches_total"] += len(idle)
