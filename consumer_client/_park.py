@@ -36,7 +36,8 @@ from .handle import TRANSPORT_NAMES, KVHandle
 
 # POOL_FULL retries back off from this wait, doubling, never beyond the producer's
 # retry_after_s: that is its estimate of when a lease ends, but room also frees sooner (a
-# release, a confirmed delivery, a batch undone), and a short first wait catches that.
+# release, a confirmed delivery, a batch undone), and a short first wait catches that. It is
+# also the shortest wait, even where retry_after_s is shorter (a reap_interval_s below it).
 FIRST_RETRY_WAIT_S = 0.05
 # A POOL_FULL retry starts only if it leaves the call at least this long before the deadline:
 # a retry with only a few milliseconds would end DEADLINE_EXCEEDED and turn the truthful
