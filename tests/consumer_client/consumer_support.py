@@ -7,6 +7,7 @@ The producers themselves come from tests/conftest.py (`running_producer`, `produ
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,3 +134,23 @@ def no_warnings_about_timeouts() -> Iterator[None]:
 async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs a blocking (sync client) call off the event loop the in-process producer uses."""
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+@contextmanager
+def no_thread_starts(name: str) -> Iterator[threading.Event]:
+    """Within: a thread called `name` cannot start (`Thread.start` raises, as at a pids
+    limit); other threads start as ever. The event is set at each refusal."""
+    real_start = threading.Thread.start
+    refused = threading.Event()
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == name:
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        yield refused
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]

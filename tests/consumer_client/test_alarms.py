@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-import pytest
+from consumer_support import no_thread_starts
 
 from kvpark.client._alarms import Alarms
 
@@ -62,23 +62,14 @@ def test_one_thread_serves_every_alarm_and_ends_on_close() -> None:
     assert not alarms.arm(0.01, lambda: None).fired  # after close: never armed
 
 
-def test_alarms_armed_while_no_thread_can_start_fire_once_one_can(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_alarms_armed_while_no_thread_can_start_fire_once_one_can() -> None:
     """No thread to be had (a pids limit): arming does not fail the load that arms; the alarm
     waits, and fires once a later arm gets the thread started."""
     alarms = Alarms()
-    real_start = threading.Thread.start
-
-    def no_alarms_thread(thread: threading.Thread) -> None:
-        if thread.name == "kvpark-alarms":
-            raise RuntimeError("can't start new thread")
-        real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", no_alarms_thread)
     early, late = threading.Event(), threading.Event()
-    waited = alarms.arm(0.01, early.set)
-    monkeypatch.setattr(threading.Thread, "start", real_start)
+    with no_thread_starts("kvpark-alarms") as refused:
+        waited = alarms.arm(0.01, early.set)
+    assert refused.is_set()
     alarms.arm(0.01, late.set)
     assert early.wait(BOUND_S) and late.wait(BOUND_S) and waited.fired
     alarms.close()

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import MiB, running_producer, wait_until
+from consumer_support import no_thread_starts
 
 from kvpark import KVConsumer, KVParker
 from kvpark.address import Address
@@ -174,16 +175,10 @@ def test_a_lookup_thread_that_cannot_start_fails_that_lookup_only(
     instead of waiting on one that never started."""
     monkeypatch.setattr(_resolve, "_cache", {})
     monkeypatch.setattr(_resolve, "_in_flight", {})
-    real_start = threading.Thread.start
-
-    def no_lookup_thread(thread: threading.Thread) -> None:
-        if thread.name == "kvpark-resolve":
-            raise RuntimeError("can't start new thread")
-        real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", no_lookup_thread)
-    with pytest.raises(OSError, match="can't start new thread"):
+    with (
+        no_thread_starts("kvpark-resolve"),
+        pytest.raises(OSError, match="can't start new thread"),
+    ):
         _resolve.addresses(Address(HOST, 7000), timeout_s=5)
-    monkeypatch.setattr(threading.Thread, "start", real_start)
     (_, _, _, sockaddr), *_ = _resolve.addresses(Address(HOST, 7000), timeout_s=5)
     assert sockaddr[1] == 7000

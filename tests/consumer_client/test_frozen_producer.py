@@ -8,6 +8,7 @@ reads it on a thread of its own past a second) still ends whole when the bytes c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import MiB, ProducerProcess, wait_for
-from consumer_support import park_sync, payload
+from consumer_support import no_thread_starts, park_sync, payload
 
 from kvpark import AsyncKVConsumer, KVConsumer, Reason
 
@@ -84,28 +85,25 @@ def test_a_frozen_producer_ends_a_tcp_load_as_it_ends_a_stream(
 
 @pytest.mark.parametrize("watch_thread", ["starts", "cannot start"])
 def test_a_long_read_whose_call_is_watched_still_ends_whole(
-    producer_process: Start, monkeypatch: pytest.MonkeyPatch, watch_thread: str
+    producer_process: Start, watch_thread: str
 ) -> None:
     """Chunk 1 is parked only once the blocking client watches the call (a thread reads it
     while the caller's thread reads the data connection): the TransferDone that thread reads
     is the load's, which ends ok with every byte and is confirmed. Where no thread can be
     started (a pids limit), the load goes on unwatched, as well."""
-    tried = threading.Event()
-    if watch_thread == "cannot start":
-        real_start = threading.Thread.start
-
-        def no_watch_thread(thread: threading.Thread) -> None:
-            if thread.name == "kvpark-call-watch":
-                tried.set()
-                raise RuntimeError("can't start new thread")
-            real_start(thread)
-
-        monkeypatch.setattr(threading.Thread, "start", no_watch_thread)
     producer = producer_process(data_listen="127.0.0.1:0")
     chunks = payload(2, MiB, seed=7)
     park_sync(producer.target, "half", {0: chunks[0]}, total=2)
     first_landed = threading.Event()
-    with KVConsumer(producer.target, transport="tcp", timeout=LOAD_TIMEOUT_S) as consumer:
+    refusing = (
+        no_thread_starts("kvpark-call-watch")
+        if watch_thread == "cannot start"
+        else contextlib.nullcontext(threading.Event())
+    )
+    with (
+        refusing as refused,
+        KVConsumer(producer.target, transport="tcp", timeout=LOAD_TIMEOUT_S) as consumer,
+    ):
         outcome: dict[str, Any] = {}
 
         def load() -> None:
@@ -119,7 +117,8 @@ def test_a_long_read_whose_call_is_watched_still_ends_whole(
         wait_for(first_landed.is_set, what="chunk 0 over the data connection")
         wait_for(
             lambda: (
-                tried.is_set() or any(t.name == "kvpark-call-watch" for t in threading.enumerate())
+                refused.is_set()
+                or any(t.name == "kvpark-call-watch" for t in threading.enumerate())
             ),
             what="the call watched",
         )
