@@ -20,7 +20,7 @@ import ssl
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import grpc
@@ -33,13 +33,13 @@ from kvpark.shm import FETCH_ROLE
 from ._buffers import ChunkBuffers, Destination, IntoBuffer, OwnedBuffer, destination_for
 from ._channel import ChannelSettings
 from ._data_connections import DataConnections
-from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError
+from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError, error_for
 from ._models import IdStatus, ProducerInfo
 from ._result import POLICIES, LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
 from ._tcp import RETRY_AFTER_S, TURNED_AWAY_IN_A_ROW, Fallback, TcpReceiver
-from ._timeouts import OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
+from ._timeouts import NO_LIMIT, OUT_OF_BAND_SHARE, Timeout, TimeoutArg, resolve, to_timeout
 from .handle import MAX_FETCH_CHUNKS
 from .metrics import NO_POLICY, ConsumerMetrics
 
@@ -58,6 +58,8 @@ CONFIRM_TIMEOUT_S = 5.0
 CONFIRM_FLUSH_S = 2.0
 # How a load in flight when its client closed says so (its reason is CANCELLED).
 CLIENT_CLOSED = "client closed"
+# How a Lookup or KeepAlive of many ids says its deadline ran out between two requests.
+DEADLINE_SPENT = "deadline spent before the last batch of ids"
 _UINT64_MAX = 2**64 - 1
 
 # The `transport=` choices: "auto" takes the fastest the producer offers and this client can
@@ -261,6 +263,23 @@ class ClientCore:
     def call_deadline(self, timeout: TimeoutArg) -> float | None:
         """A unary call's gRPC deadline under the timeout rule (None: no deadline)."""
         return resolve(timeout, self.timeout).total_s
+
+    def share_deadline(
+        self, method: str, requests: list[Any], timeout: TimeoutArg
+    ) -> Iterator[tuple[Any, Timeout]]:
+        """Each of one call's requests (ids split MAX_IDS_PER_CALL to a request) with what is
+        left of its deadline: the caller's timeout bounds the requests together, as it bounds
+        any call. A deadline spent before the last request is that call's DEADLINE_EXCEEDED."""
+        total_s = self.call_deadline(timeout)
+        end = None if total_s is None else time.monotonic() + total_s
+        for request in requests:
+            if end is None:
+                yield request, NO_LIMIT
+                continue
+            left_s = end - time.monotonic()
+            if left_s <= 0:
+                raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_SPENT, method)
+            yield request, Timeout(left_s)
 
     def begin_load(
         self,

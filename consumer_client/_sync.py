@@ -237,8 +237,9 @@ class KVConsumer(ClientBase):
     ) -> list[IdStatus]:
         """The state of each id, in order."""
         out: list[IdStatus] = []
-        for request in lookup_requests(kv_request_ids):
-            out += states_of(self._unary("Lookup", request, timeout))
+        requests = lookup_requests(kv_request_ids)
+        for request, left in self._core.share_deadline("Lookup", requests, timeout):
+            out += states_of(self._unary("Lookup", request, left))
         return out
 
     def extend_leases(
@@ -249,10 +250,13 @@ class KVConsumer(ClientBase):
         timeout: TimeoutArg = USE_CLIENT_DEFAULT,
     ) -> list[IdStatus]:
         """One KeepAlive round: leases last at least `extend_s` more (0 = the producer's
-        unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop."""
+        unbound_store_timeout_s). Returns each id's state. See `keep_alive` for the loop.
+        More than 1000 ids take one call per 1000 within `timeout`; if one fails, the ids of
+        the calls before it were extended."""
         out: list[IdStatus] = []
-        for request in keepalive_requests(kv_request_ids, extend_s):
-            out += states_of(self._unary("KeepAlive", request, timeout))
+        requests = keepalive_requests(kv_request_ids, extend_s)
+        for request, left in self._core.share_deadline("KeepAlive", requests, timeout):
+            out += states_of(self._unary("KeepAlive", request, left))
         return out
 
     def release(

@@ -6,7 +6,8 @@ different timeouts each end within their own timeout plus a small margin, sync a
 call waits behind another's first contact. Then one test per row of the timeout rule (README,
 "Timeouts"): the client's timeout applies to loads and unary calls alike, a call's timeout
 overrides it, USE_CLIENT_DEFAULT means the client's, None means no limit, a number means that
-many seconds in all.
+many seconds in all. Last, a Lookup or KeepAlive of more ids than one request carries: its
+requests share the call's one timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from conftest import MiB, park, running_producer, stub_for, wait_until
@@ -442,3 +444,97 @@ async def test_an_async_streaming_batch_waits_for_a_silent_shm_socket_off_the_ev
     assert result is not None and result.ok and result.transport == "grpc", result
     assert result.chunks_parked == 2, result
     assert_within(elapsed, 1.0)
+
+
+# ============================================================ one timeout, many requests
+IDS_PER_REQUEST = 1000  # the producer's cap on ids per Lookup or KeepAlive
+DELAY_S = 0.4
+
+
+def of_ids(details: Any) -> bool:
+    """A Lookup or KeepAlive, not the client's own background ServerInfo."""
+    method = details.method
+    method = method.decode() if isinstance(method, bytes) else method
+    return method.endswith(("/Lookup", "/KeepAlive"))
+
+
+class DelayedUnary(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Holds each unary call DELAY_S before it leaves, as a slow producer would, and records
+    the deadline each Lookup or KeepAlive was given."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        time.sleep(DELAY_S)
+        if of_ids(details):
+            self.timeouts.append(details.timeout)
+        return continuation(details, request)
+
+
+class AioDelayedUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        await asyncio.sleep(DELAY_S)
+        if of_ids(details):
+            self.timeouts.append(details.timeout)
+        return await continuation(details, request)
+
+
+def assert_shared(timeouts: list[float], timeout: float) -> None:
+    """Each request got what was left of the one timeout, not the whole of it again."""
+    assert timeouts, "no request left"
+    for n, given in enumerate(timeouts):
+        assert given <= timeout - n * DELAY_S + 0.05, f"request {n} was given {given:.3f}s"
+
+
+@pytest.mark.parametrize("method", ["lookup", "extend_leases"])
+async def test_a_call_of_many_ids_ends_within_its_one_timeout(method: str) -> None:
+    """4000 ids take four requests; with each held 0.4 s, a 1 s timeout runs out before the
+    last one. The call raises DEADLINE_EXCEEDED within its timeout, each request given only
+    what was left of it."""
+    ids = [f"id-{i}" for i in range(4 * IDS_PER_REQUEST)]
+    async with running_producer() as server:
+
+        def run() -> tuple[BaseException | None, float, list[float]]:
+            delayed = DelayedUnary()
+            with KVConsumer(server.target, interceptors=[delayed]) as client:
+                started = time.monotonic()
+                try:
+                    getattr(client, method)(ids, timeout=1.0)
+                except TransportError as exc:
+                    return exc, time.monotonic() - started, delayed.timeouts
+                return None, time.monotonic() - started, delayed.timeouts
+
+        raised, elapsed, timeouts = await asyncio.to_thread(run)
+        delayed = AioDelayedUnary()
+        async with AsyncKVConsumer(server.target, interceptors=[delayed]) as client:
+            started = time.monotonic()
+            with pytest.raises(TransportError, match="DEADLINE_EXCEEDED") as aio_raised:
+                await getattr(client, method)(ids, timeout=1.0)
+            aio_elapsed = time.monotonic() - started
+    assert raised is not None and "DEADLINE_EXCEEDED" in str(raised), raised
+    assert aio_raised.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    for spent, given in ((elapsed, timeouts), (aio_elapsed, delayed.timeouts)):
+        assert_within(spent, 1.0)
+        assert_shared(given, 1.0)
+
+
+async def test_a_lookup_of_many_ids_answers_each_in_order() -> None:
+    """Ids beyond one request's cap are split over several; the answer keeps the caller's
+    order, each id's own state at its place."""
+    ids = [f"id-{i}" for i in range(2 * IDS_PER_REQUEST + 500)]
+    parked_at = [3, IDS_PER_REQUEST + 7, 2 * IDS_PER_REQUEST + 499]
+    async with running_producer() as server:
+        async with stub_for(server) as stub:
+            for i in parked_at:
+                await park(stub, ids[i], {0: b"kv"})
+        async with AsyncKVConsumer(server.target) as client:
+            states = await client.lookup(ids)
+        with KVConsumer(server.target) as sync_client:
+            sync_states = await asyncio.to_thread(sync_client.lookup, ids)
+    for answer in (states, sync_states):
+        assert [s.kv_request_id for s in answer] == ids
+        assert [i for i, s in enumerate(answer) if s.state == "PARKED"] == parked_at
