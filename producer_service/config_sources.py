@@ -95,6 +95,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_arguments(words: Sequence[str]) -> str:
+    """Names the unknown flags and never echoes a value: the word after a mistyped
+    `--park-tokn`, or after the `=` of `--fetch_token=...`, is a token, and this message ends
+    up in the container's log."""
+    flags = [word.split("=", 1)[0] for word in words if word.startswith("-")]
+    known = ["--config", "--version", "--help", *(spec.flag for spec in KEYS.values())]
+    named = [f"unknown option {flag!r}{suggest(flag, known)}" for flag in flags]
+    if others := len(words) - len(flags):
+        named.append(f"{others} unexpected argument{'s' if others > 1 else ''} (not shown: "
+                     "a value may be a secret)")  # fmt: skip
+    return "; ".join(named)
+
+
 def _read_config_file(path: str) -> dict[str, object]:
     def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
         result: dict[str, object] = {}
@@ -162,7 +175,11 @@ def load_config(
     any invalid value, unknown key, unknown KVPARK_ variable or bad command line; `--help`
     and `--version` print and raise SystemExit(0) as argparse does.
     """
-    args = vars(build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
+    parser = build_arg_parser()
+    known, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        raise ConfigError(f"command line: {_unknown_arguments(unknown)}")
+    args = vars(known)
     env_values, env_config = _read_environment(os.environ if environ is None else environ)
     config_path = args.pop("config", env_config)
     if config_path is not None and not config_path:

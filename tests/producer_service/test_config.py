@@ -370,14 +370,35 @@ def test_unknown_kvpark_variable_rejected_other_variables_ignored() -> None:
 
 
 def test_unknown_or_abbreviated_flag_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"^command line: unrecognized arguments: --pool-byte"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^command line: unknown option '--pool-byte' \(did you mean '--pool-bytes'\?\); "
+        r"1 unexpected argument \(not shown",
+    ):
         load_config(["--pool-byte", "1GiB"], {})
     with pytest.raises(ConfigError, match=r"^command line: "):
         load_config(["--pool", "1GiB"], {})  # no abbreviations
     with pytest.raises(ConfigError, match=r"^command line: .*--listen.*expected one argument"):
         load_config(["--listen"], {})
-    with pytest.raises(ConfigError, match=r"^command line: unrecognized arguments: stray"):
+    with pytest.raises(ConfigError, match=r"^command line: 1 unexpected argument \(not shown"):
         load_config(["stray"], {})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--park-tokn", "s3cr3t-value"],
+        ["--fetch_token=s3cr3t-value"],
+        ["--park-token", "a-token", "s3cr3t-value"],
+    ],
+)
+def test_a_mistyped_flag_never_shows_its_value(argv: list[str]) -> None:
+    """The word after a mistyped token flag is the token; the error names the flag only."""
+    with pytest.raises(ConfigError, match=r"^command line: ") as raised:
+        load_config(argv, {})
+    assert "s3cr3t" not in str(raised.value)
+    if argv[0] != "--park-token":
+        assert "did you mean" in str(raised.value)
 
 
 def test_unknown_key_in_mapping_rejected() -> None:
