@@ -16,7 +16,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,6 +42,7 @@ from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
 from .shm_lending import DEFAULT_MAX_LENDS, ShmLendingServer
 
 log = logging.getLogger(LOGGER_NAME)
+T = TypeVar("T")
 
 # Transport keepalive: a peer that vanished without a FIN (network cut, paused container) is
 # noticed within about PING + TIMEOUT seconds and its calls cancelled, so a bound id goes back
@@ -96,9 +97,10 @@ def _server_credentials(credentials: Credentials) -> grpc.ServerCredentials:
     )
 
 
-def _bound(key: str, value: str, bind: Callable[[], int]) -> int:
-    """The port `bind` took; its failure (a port in use, a host not on this machine) as an
-    error naming the configuration key, like the gRPC listen's."""
+def _bound(key: str, value: str, bind: Callable[[], T]) -> T:
+    """What `bind` returned (the port it took); its failure (a port in use, a host not on this
+    machine, a socket path another producer serves) as an error naming the configuration key,
+    like the gRPC listen's."""
     try:
         return bind()
     except OSError as exc:
@@ -245,7 +247,7 @@ class ProducerServer:
             self.shm = ShmLendingServer(
                 c.shm_socket, self.epoch, self._refuse_lend, max_lends=self._shm_lends
             )
-            self.shm.start()
+            _bound("shm_socket", c.shm_socket, self.shm.start)
         self.servicer.offer(data=self.data, data_address=data_address, shm=self.shm)
         self._data_address = data_address
 

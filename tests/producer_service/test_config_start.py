@@ -120,6 +120,19 @@ def test_a_listener_port_in_use_is_named(key: str) -> None:
     )
 
 
+def test_an_shm_socket_another_producer_serves_is_named(shm_socket: str) -> None:
+    with socket.socket(socket.AF_UNIX) as busy:
+        busy.bind(shm_socket)
+        busy.listen(1)
+        result = start("--shm-socket", shm_socket)
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line == (
+        f"kvpark-producer: cannot start: shm_socket: cannot bind {shm_socket!r}: "
+        "another process serves this socket"
+    )
+
+
 async def test_a_start_that_fails_part_way_leaves_nothing_listening(shm_socket: str) -> None:
     """In a process that goes on (an embedding, a test), a producer whose data port is taken
     fails to start and leaves no metrics port, shm socket or gRPC port behind: each can be
