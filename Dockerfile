@@ -60,6 +60,11 @@ WORKDIR /home/kvpark
 # 50051: gRPC (KVProducer, grpc.health.v1, reflection); 50052: the zero-copy TCP data port
 # when data_listen is set (compose and Kubernetes use this one); 9400: Prometheus /metrics
 EXPOSE 50051 50052 9400
+# The producer's addresses are set in the environment, not on its command line: `docker run -e
+# KVPARK_LISTEN=...` then moves the producer and its health probe together (the probe dials
+# KVPARK_LISTEN), and `-e KVPARK_METRICS_LISTEN=` turns metrics off. Flags would win over both.
+ENV KVPARK_LISTEN=0.0.0.0:50051 \
+    KVPARK_METRICS_LISTEN=0.0.0.0:9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-m", "kvpark.producer.healthcheck", "--timeout", "3"]
-CMD ["kvpark-producer", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400"]
+CMD ["kvpark-producer"]
