@@ -431,14 +431,25 @@ class ProducerServer:
         self.metrics.close()
 
 
-async def serve(config: ProducerConfig, credentials: Credentials) -> int:
-    """Runs a producer until SIGTERM or SIGINT, shuts it down gracefully, returns 0."""
-    server = ProducerServer(config, credentials=credentials)
-    await server.start()
+async def serve(
+    config: ProducerConfig,
+    credentials: Credentials,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> int:
+    """Runs a producer until SIGTERM or SIGINT, shuts it down gracefully, returns 0.
+    `stop_requested` says whether a signal came before this loop took them over; then
+    nothing starts. The handlers come first: building the server touches every page of the
+    pool (seconds for a large one), and a signal meanwhile must stop it as gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stop_requested():
+        log.info("signal received before serving; not starting")
+        return 0
+    log.info("allocating the pool", extra={"kv": {"pool_bytes": config.pool_bytes}})
+    server = ProducerServer(config, credentials=credentials)
+    await server.start()
     await stop.wait()
     log.info("signal received, draining", extra={"kv": {"grace_s": config.shutdown_grace_s}})
     await server.shutdown()

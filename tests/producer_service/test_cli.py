@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -11,12 +13,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ProducerProcess
+from conftest import MiB, ProducerProcess, free_port
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
-from kvpark.producer.config import KEYS
+from kvpark.producer.__main__ import noted_stop_signals
+from kvpark.producer.config import KEYS, ProducerConfig
+from kvpark.producer.credentials import Credentials
+from kvpark.producer.server import serve
 
 
 def run_cli(
@@ -121,8 +126,6 @@ def test_seconds_as_string_accepted_and_served(producer_process) -> None:  # typ
 
 
 def test_bad_env_value_exits_2_naming_the_key() -> None:
-    import os
-
     env = {**os.environ, "KVPARK_UNBOUND_STORE_TIMEOUT_S": "abc"}
     result = run_cli(env=env)
     assert result.returncode == 2
@@ -156,3 +159,46 @@ def test_sigterm_during_bound_fetch_drains_it_and_exits_0(producer_process) -> N
     assert producer.proc.stdout is not None
     log = producer.proc.stdout.read()
     assert "signal received" in log and "undrained_fetches=0" in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_pool_is_allocated_stops_it_cleanly(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    """A stop signal while the producer touches its pool's pages (a large pool takes seconds,
+    the window a rollout's SIGTERM often meets) ends it as gracefully as one while serving:
+    exit 0, no KeyboardInterrupt traceback, no death by the signal."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpark.producer", "--pool-bytes", "2GiB",
+         "--listen", f"127.0.0.1:{port}", "--metrics-listen", ""],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "allocating the pool" in line:
+                proc.send_signal(sig)
+                break
+        assert proc.wait(timeout=60) == 0, "".join(seen) + proc.stdout.read()
+        log = "".join(seen) + proc.stdout.read()
+    finally:
+        proc.kill()
+    assert "Traceback" not in log and "signal received" in log, log
+
+
+def test_a_signal_before_serving_starts_nothing() -> None:
+    """A stop signal before the event loop took the signals over (while the configuration
+    loads) is noted; the producer then returns 0 without allocating its pool or binding."""
+    port, before = free_port(), signal.getsignal(signal.SIGTERM)
+    config = ProducerConfig(listen=f"127.0.0.1:{port}", metrics_listen="", pool_bytes=64 * MiB)
+    with noted_stop_signals() as stop_requested:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_requested()
+        assert asyncio.run(serve(config, Credentials(), stop_requested)) == 0
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", port))  # nothing took the port
+    assert signal.getsignal(signal.SIGTERM) == before  # the handlers are given back
