@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from grpc.experimental import ChannelOptions
 
+from kvpark.tokens import TOKEN_EXPECTED, is_valid_token
+
 from ._errors import UsageError
 from ._guarded_channel import GuardedChannel
 
@@ -63,8 +65,8 @@ class ChannelSettings:
         problem = target_problem(target)
         if problem is not None:
             raise UsageError(f"target: {problem}")
-        if token is not None and (not isinstance(token, str) or not token or "\n" in token):
-            raise UsageError("token: expected a non-empty one-line string")
+        if token is not None and not is_valid_token(token):
+            raise UsageError(f"token: expected {TOKEN_EXPECTED} (value not shown)")
         if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
             raise UsageError(f"max_chunk_bytes: expected an int, got {max_chunk_bytes!r}")
         if not 0 < max_chunk_bytes <= 2**31 - 1 - FRAME_MARGIN_BYTES:

@@ -22,12 +22,8 @@ from typing import Any
 import grpc
 
 from kvpark.address import Address
-from kvpark.producer.config_values import (
-    TOKEN_EXPECTED,
-    holds_pem,
-    is_valid_token,
-    seconds_argument,
-)
+from kvpark.producer.config_values import holds_pem, seconds_argument
+from kvpark.tokens import TOKEN_EXPECTED, is_valid_token
 
 from ._errors import UsageError
 from ._sync import KVConsumer

@@ -16,6 +16,7 @@ from pathlib import PurePosixPath
 
 from kvpark.address import Address
 from kvpark.durations import MAX_SECONDS  # every seconds value: longer is a typo (ms for s)
+from kvpark.tokens import TOKEN_EXPECTED, is_valid_token
 
 # Byte sizes travel as uint64 in ServerInfo and index int64 numpy buffers.
 _MAX_BYTES = 2**63 - 1
@@ -265,20 +266,10 @@ def parse_socket_path(key: str, value: object) -> str:
     return value
 
 
-# A token travels as a gRPC metadata value ("Bearer <token>"), which must be printable ASCII:
-# any other character (a UTF-8 byte-order mark from an editor included) fails every call with
-# INTERNAL "Invalid metadata" instead of failing here.
-TOKEN_EXPECTED = "a non-empty token of printable ASCII characters (0x21-0x7E, no spaces)"
-
-
-def is_valid_token(text: str) -> bool:
-    return bool(text) and all("!" <= ch <= "~" for ch in text)
-
-
 def parse_optional_token(key: str, value: object) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not is_valid_token(value):
+    if not is_valid_token(value):
         raise ConfigError(
             f"{key}: expected {TOKEN_EXPECTED}, got {_show_secret(value)}", keys=(key,)
         )

@@ -12,8 +12,10 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpark.tokens import is_valid_token
+
 from .config import ProducerConfig
-from .config_values import ConfigError, holds_pem, is_valid_token, show
+from .config_values import ConfigError, holds_pem, show
 
 
 class _EncryptedKeyError(Exception):

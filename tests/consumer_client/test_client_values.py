@@ -15,10 +15,13 @@ import kvpark.client as consumer_client
 from kvpark import wire
 from kvpark.checksum import crc32c_of
 from kvpark.client import (
+    AsyncKVConsumer,
+    AsyncKVParker,
     AuthError,
     BufferTooSmallError,
     ConsumerMetrics,
     KVConsumer,
+    KVParker,
     LoadPath,
     LoadResult,
     ProtocolError,
@@ -417,6 +420,18 @@ def test_closed_client_raises_and_bad_constructor_args() -> None:
         KVConsumer("h:1", token="two\nlines")
     with pytest.raises(UsageError):
         KVConsumer("h:1", timeout=0)
+
+
+@pytest.mark.parametrize("token", ["", "two\nlines", "trailing\r", "t\u00f6k", "with space", 7])
+@pytest.mark.parametrize("client", [KVConsumer, AsyncKVConsumer, KVParker, AsyncKVParker])
+def test_a_token_grpc_cannot_send_is_refused_at_construction(client: type, token: object) -> None:
+    """A token is sent as a metadata value, which grpc takes in printable ASCII only: any
+    other fails every call later with INTERNAL "Invalid metadata" (a load quietly recomputes),
+    so the client refuses it when built, and never shows it."""
+    with pytest.raises(UsageError, match=r"^token: expected a non-empty token") as raised:
+        client("127.0.0.1:1", token=token)
+    if isinstance(token, str) and token:
+        assert token not in str(raised.value)
 
 
 def test_public_api_is_curated() -> None:
