@@ -357,12 +357,7 @@ class AsyncKVConsumer(ClientBase):
         the background unless `confirm` (default: the client's) is False. `on_chunk` runs on
         the event loop for a load over the gRPC stream, and on one of the client's worker
         threads for a load over TCP or shared memory (the chunks are read and checked there)."""
-        started = await aread_info_before_lending(
-            self._core, self.server_info, timeout, into, stages=True
-        )
-        # Off the event loop: lending a shared buffer can wait on the shm socket.
-        begin = functools.partial(
-            self._core.begin_load,
+        args = self._core.load_args(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -372,8 +367,13 @@ class AsyncKVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
             fingerprint=fingerprint,
-            started=started,  # the read above and a wait for a thread are part of the load
         )
+        started = await aread_info_before_lending(
+            self._core, self.server_info, timeout, into, stages=True
+        )
+        # Off the event loop: lending a shared buffer can wait on the shm socket. The read
+        # above and a wait for a thread are part of the load's time.
+        begin = functools.partial(self._core.begin_load, args, started)
         session = await self._begun(begin)
         return await self._run(session, confirm)
 
@@ -537,12 +537,7 @@ class AsyncKVConsumer(ClientBase):
         redoes only what is missing; with `policy="fail"`, LoadFailedError and nothing
         recomputed. The report says which path was taken (remote, partial, recompute)."""
         check_policy(policy, recompute)
-        started = await aread_info_before_lending(
-            self._core, self.server_info, timeout, into, stages=True
-        )
-        # Off the event loop: lending a shared buffer can wait on the shm socket.
-        begin = functools.partial(
-            self._core.begin_load,
+        args = self._core.load_args(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -553,8 +548,13 @@ class AsyncKVConsumer(ClientBase):
             on_chunk=on_chunk,
             fingerprint=fingerprint,
             policy=policy,
-            started=started,  # the read above and a wait for a thread are part of the load
         )
+        started = await aread_info_before_lending(
+            self._core, self.server_info, timeout, into, stages=True
+        )
+        # Off the event loop: lending a shared buffer can wait on the shm socket. The read
+        # above and a wait for a thread are part of the load's time.
+        begin = functools.partial(self._core.begin_load, args, started)
         session = await self._begun(begin)
         result = await self._run(session, confirm)
         first = self._core.plan_fallback(result, policy)

@@ -21,6 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import grpc
@@ -73,6 +74,22 @@ RecomputeFn = Callable[[int], T]
 class TimeoutConfigWarning(UserWarning):
     """The client's load timeout is not below the producer's tombstone_retention_s: a late
     fetch could see UNKNOWN_ID instead of the real reason."""
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    """One load's arguments, checked."""
+
+    kv_request_id: str
+    chunk_ids: tuple[int, ...] | None
+    into: Any
+    destination: Destination
+    expected_epoch: int
+    timeout: Timeout
+    wait_timeout_s: float
+    on_chunk: OnChunk | None
+    fingerprint: bytes
+    policy: str
 
 
 class ClientCore:
@@ -281,7 +298,7 @@ class ClientCore:
                 raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_SPENT, method)
             yield request, Timeout(left_s)
 
-    def begin_load(
+    def load_args(
         self,
         kv_request_id: str,
         *,
@@ -294,12 +311,9 @@ class ClientCore:
         on_chunk: OnChunk | None,
         fingerprint: bytes | None = None,
         policy: str = NO_POLICY,
-        started: float | None = None,
-    ) -> LoadSession:
-        """Checks a load's arguments (UsageError) and starts its session. `started`: when the
-        caller began the load (the async client, before it waited for a thread)."""
-        if started is None:
-            started = time.monotonic()  # lending a buffer below is part of the load's time
+    ) -> LoadArgs:
+        """A load's arguments checked (UsageError), before anything is sent: misuse is
+        reported at once, never after a ServerInfo read that waits on the producer."""
         self.check_open()
         kid = valid_id(kv_request_id)
         ids = _chunk_ids(chunk_ids, num_chunks)
@@ -317,29 +331,42 @@ class ClientCore:
         destination = destination_for(into)
         if isinstance(destination, ChunkBuffers):
             destination.check_count(ids)
+        return LoadArgs(
+            kid, ids, into, destination, expected_epoch, load_timeout, wait, on_chunk,
+            bytes(fingerprint or b""), policy,
+        )  # fmt: skip
+
+    def begin_load(self, args: LoadArgs, started: float | None = None) -> LoadSession:
+        """Starts a load's session: lends its shared buffer when shared memory is for it.
+        `started`: when the caller began the load (the epoch read, the async client's wait
+        for a thread are part of its time)."""
+        if started is None:
+            started = time.monotonic()  # lending a buffer below is part of the load's time
+        self.check_open()
+        destination, load_timeout = args.destination, args.timeout
         # Lending takes a share of the load's first limit (the size-scaled budget included),
         # counted from the load's start, so the epoch read before it is part of that share.
         limits = [load_timeout.first_limit_s(), load_timeout.budget_s(destination.capacity)]
         bounds = [limit for limit in limits if limit is not None]
         lend_by = started + OUT_OF_BAND_SHARE * min(bounds) if bounds else None
-        shm = self._shm_target(into, destination, lend_by)
+        shm = self._shm_target(args.into, destination, lend_by)
         accept, tcp_probe = self.accept_transports()
         session = LoadSession(
-            kv_request_id=kid,
-            chunk_ids=ids,
+            kv_request_id=args.kv_request_id,
+            chunk_ids=args.chunk_ids,
             destination=destination,
             timeout=load_timeout,
-            expected_epoch=expected_epoch,
-            wait_timeout_s=wait,
-            on_chunk=on_chunk,
+            expected_epoch=args.expected_epoch,
+            wait_timeout_s=args.wait_timeout_s,
+            on_chunk=args.on_chunk,
             max_chunk_bytes=self.channel.max_chunk_bytes,
-            fingerprint=bytes(fingerprint or b""),
+            fingerprint=args.fingerprint,
             accept=(pb.TRANSPORT_SHM, *accept) if shm else accept,
             shm=shm,
             clock=time.monotonic,
             started=started,
         )
-        session.policy = policy
+        session.policy = args.policy
         session.tcp_probe = tcp_probe
         return session
 

@@ -323,8 +323,7 @@ class KVConsumer(ClientBase):
         only for misuse (UsageError, BufferTooSmallError, ClientClosedError) and for statuses
         that mean misconfiguration (AuthError, ...). A success is confirmed to the producer in
         the background unless `confirm` (default: the client's) is False."""
-        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
-        session = self._core.begin_load(
+        args = self._core.load_args(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -334,8 +333,9 @@ class KVConsumer(ClientBase):
             wait_timeout_s=wait_timeout_s,
             on_chunk=on_chunk,
             fingerprint=fingerprint,
-            started=started,
         )
+        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
+        session = self._core.begin_load(args, started)
         return self._run(session, confirm)
 
     def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
@@ -477,8 +477,7 @@ class KVConsumer(ClientBase):
         everything); with `policy="fail"`, LoadFailedError and nothing recomputed. The report
         says which path was taken (remote, partial, recompute) and why."""
         check_policy(policy, recompute)
-        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
-        session = self._core.begin_load(
+        args = self._core.load_args(
             kv_request_id,
             chunk_ids=chunk_ids,
             num_chunks=num_chunks,
@@ -489,8 +488,9 @@ class KVConsumer(ClientBase):
             on_chunk=on_chunk,
             fingerprint=fingerprint,
             policy=policy,
-            started=started,
         )
+        started = read_info_before_lending(self._core, self.server_info, timeout, into, stages=True)
+        session = self._core.begin_load(args, started)
         result = self._run(session, confirm)
         first = self._core.plan_fallback(result, policy)
         value = None if first is None or recompute is None else recompute(first)

@@ -37,6 +37,7 @@ from kvpark import (
     Reason,
     Timeout,
     TransportError,
+    UsageError,
 )
 from kvpark.client import USE_CLIENT_DEFAULT, ClientClosedError
 
@@ -538,3 +539,33 @@ async def test_a_lookup_of_many_ids_answers_each_in_order() -> None:
     for answer in (states, sync_states):
         assert [s.kv_request_id for s in answer] == ids
         assert [i for i, s in enumerate(answer) if s.state == "PARKED"] == parked_at
+
+
+MISUSE: list[dict[str, Any]] = [
+    {"kv_request_id": ""},
+    {"kv_request_id": "x", "num_chunks": 0},
+    {"kv_request_id": "x", "wait_timeout_s": -1},
+    {"kv_request_id": "x", "expected_epoch": -1},
+]
+
+
+@pytest.mark.parametrize("kwargs", MISUSE)
+async def test_load_misuse_is_raised_before_the_producer_is_asked_anything(
+    frozen: FrozenProducer, kwargs: dict[str, Any]
+) -> None:
+    """A client that lends shared memory reads its producer's ServerInfo before its first
+    load; misuse is still raised at once, not after that read waited out the timeout."""
+    with KVConsumer(frozen.target, transport="shm", timeout=3) as client:
+        started = time.monotonic()
+        with pytest.raises(UsageError):
+            await asyncio.to_thread(client.load, **kwargs)
+        with pytest.raises(UsageError):
+            await asyncio.to_thread(lambda: client.load_or_recompute(**kwargs, recompute=print))
+        assert time.monotonic() - started < 1.0
+    async with AsyncKVConsumer(frozen.target, transport="shm", timeout=3) as aclient:
+        started = time.monotonic()
+        with pytest.raises(UsageError):
+            await aclient.load(**kwargs)
+        with pytest.raises(UsageError):
+            await aclient.load_or_recompute(**kwargs, recompute=print)
+        assert time.monotonic() - started < 1.0
