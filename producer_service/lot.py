@@ -846,16 +846,14 @@ class Lot:
             )
             if mismatch:
                 return self._end(binding, Refusal(FINGERPRINT_MISMATCH, mismatch))
-        if binding.requested is not None:
-            order_len = len(binding.requested)
-            next_id = binding.requested[binding.cursor] if binding.cursor < order_len else None
-        else:
-            order_len = entry.total_chunks  # 0 until a commit fixes it: keep streaming 0, 1, ...
-            next_id = binding.cursor if not order_len or binding.cursor < order_len else None
+        next_id = self._next_chunk_id(binding)
         if next_id is None:
             return self._deliver(binding)
         stored = entry.chunks.get(next_id)
         if stored is None:
+            if self._shutting_down:  # no batch can commit it any more
+                self._end_entries((entry,), SHUTTING_DOWN, self.clock())
+                return self._end(binding, binding.failed or Refusal(SHUTTING_DOWN, ""))
             return FetchWait(binding.wait_deadline)
         views = self.pool.views(stored.handle)  # raises StaleSlotError, never reads freed memory
         binding.cursor += 1
@@ -864,6 +862,14 @@ class Lot:
         # Progress: the wait bounds a stall of the parking side, not the whole transfer.
         binding.wait_deadline = self.clock() + binding.wait_s
         return ReadyChunk(next_id, stored.crc32c, views, stored.handle.nbytes)
+
+    def _next_chunk_id(self, binding: FetchBinding) -> int | None:
+        """The chunk the Fetch sends next; None once it was handed every chunk it asked for."""
+        if binding.requested is not None:
+            order_len = len(binding.requested)
+            return binding.requested[binding.cursor] if binding.cursor < order_len else None
+        order_len = binding.entry.total_chunks  # 0 until a commit fixes it: stream 0, 1, ...
+        return binding.cursor if not order_len or binding.cursor < order_len else None
 
     def sent(self, binding: FetchBinding) -> None:
         """The chunks handed out went out (a batch written, however long that took): the
@@ -1224,10 +1230,23 @@ class Lot:
     # =============================================================================== Shutdown
     def begin_shutdown(self) -> None:
         """New Parks and Fetches are refused SHUTTING_DOWN and open Park batches are undone
-        (their handlers answer SHUTTING_DOWN at once); bound Fetches go on."""
+        (their handlers answer SHUTTING_DOWN at once); bound Fetches go on with what is
+        committed. No batch can commit a chunk any more, so a Fetch waiting for one ends its
+        id SHUTTING_DOWN now (next_for ends one that reaches such a chunk later) rather than
+        hold the drain for its whole grace."""
         self._shutting_down = True
         for batch in list(self._open_batches):
             self._undo_from_outside(batch, Refusal(SHUTTING_DOWN, "producer is shutting down"))
+        waiting = [
+            entry
+            for entry in self._entries.values()
+            if entry.binding is not None and self._waits_for_a_chunk(entry.binding)
+        ]
+        self._end_entries(waiting, SHUTTING_DOWN, self.clock())
+
+    def _waits_for_a_chunk(self, binding: FetchBinding) -> bool:
+        next_id = self._next_chunk_id(binding)
+        return next_id is not None and next_id not in binding.entry.chunks
 
     def fail_all(self, reason: Reason = SHUTTING_DOWN) -> int:
         """Ends every live id with `reason` (what remains after the shutdown grace)."""

@@ -2022,26 +2022,37 @@ def test_shutdown_refuses_new_parks_and_fetches(rig: Rig) -> None:
 
 
 def test_bound_fetches_are_served_during_shutdown_then_fail_all_ends_the_rest(rig: Rig) -> None:
+    """Bound Fetches get what is committed. Chunks no batch can commit any more end their
+    id SHUTTING_DOWN: at once for a Fetch already waiting for one, when it reaches one for a
+    Fetch still sending; neither holds the drain."""
     rig.parked("served", [0, 1], total=2)
+    rig.parked("partial", [0], total=2)
     rig.parked("waiting", [0], total=2)
     rig.parked("idle", [0])
-    served, waiting = rig.bound("served"), rig.bound("waiting")
+    served, partial, waiting = rig.bound("served"), rig.bound("partial"), rig.bound("waiting")
+    sent, step = rig.drain(waiting)
+    assert len(sent) == 1 and isinstance(step, FetchWait)
     open_batch = rig.begin("parking")
     rig.lot.begin_shutdown()
     assert rig.woken == [open_batch]
     assert_refused(rig.commit(open_batch), SHUTTING_DOWN)
-    sent, end = rig.drain(served)
-    assert [cid for cid, _ in sent] == [0, 1]
-    assert_delivered(end)
-    sent, step = rig.drain(waiting)
-    assert len(sent) == 1 and isinstance(step, FetchWait)
-
-    assert rig.lot.fail_all() == 3  # served (delivered), waiting, idle
-    assert rig.notified["waiting"] == 1  # the waiting Fetch is woken up to see it
+    assert rig.notified["waiting"] == 1  # woken up to see its id ended
+    assert_tombstoned(rig, "waiting", SHUTTING_DOWN)
     end = rig.next(waiting)
     assert isinstance(end, FetchEnd) and end.refusal is not None
     assert (end.refusal.reason, end.chunks_sent) == (SHUTTING_DOWN, 1)
-    for kid in ("served", "waiting", "idle"):
+    sent, end = rig.drain(served)
+    assert [cid for cid, _ in sent] == [0, 1]
+    assert_delivered(end)
+    sent, end = rig.drain(partial)
+    assert [cid for cid, _ in sent] == [0]  # what was committed, then the end
+    assert isinstance(end, FetchEnd) and end.refusal is not None
+    assert (end.refusal.reason, end.chunks_sent) == (SHUTTING_DOWN, 1)
+    assert_tombstoned(rig, "partial", SHUTTING_DOWN)
+    assert rig.lot.bound_count == 0  # nothing left for the drain to wait for
+
+    assert rig.lot.fail_all() == 2  # served (delivered), idle
+    for kid in ("served", "partial", "waiting", "idle"):
         assert_tombstoned(rig, kid, SHUTTING_DOWN)
     assert rig.state("parking") == IdStatus("parking", pb.STATE_UNKNOWN)
     rig.assert_pool_empty()
@@ -2539,6 +2550,10 @@ class LotMachine(RuleBasedStateMachine):
         total = mf.entry.total
         return mf.cursor if not total or mf.cursor < total else None
 
+    def waits_for_a_chunk(self, mf: MFetch) -> bool:
+        next_id = self.next_chunk(mf)
+        return next_id is not None and next_id not in mf.entry.chunks
+
     def do_step(self, mf: MFetch, steps: int) -> None:
         for _ in range(steps):
             step = self.lot.next_for(mf.binding)
@@ -2551,6 +2566,15 @@ class LotMachine(RuleBasedStateMachine):
             entry, next_id = mf.entry, self.next_chunk(mf)
             if next_id is None:
                 self.delivered_by(mf, step)
+                return
+            if next_id not in entry.chunks and self.shutting_down:
+                # No batch can commit it any more: the id ends, and the Fetch with it.
+                self.end(entry, SHUTTING_DOWN)
+                assert isinstance(step, FetchEnd) and step.refusal is not None, step
+                assert step.refusal.reason == SHUTTING_DOWN
+                assert (step.chunks_sent, step.bytes_sent) == (mf.chunks_sent, mf.bytes_sent)
+                mf.must_notify = False  # it ended in its own call: nobody to wake
+                self.fetches.remove(mf)
                 return
             if next_id not in entry.chunks:
                 assert step == FetchWait(mf.wait_deadline), step
@@ -2894,6 +2918,10 @@ class LotMachine(RuleBasedStateMachine):
         self.shutting_down = True
         for mb in self.open_batches():
             self.fail(mb, SHUTTING_DOWN, outside=True)
+        # A Fetch waiting for a chunk no batch can commit any more ends its id at once.
+        for entry in list(self.entries.values()):
+            if entry.fetch is not None and self.waits_for_a_chunk(entry.fetch):
+                self.end(entry, SHUTTING_DOWN)
         if fail_all:
             entries = list(self.entries.values())
             assert self.lot.fail_all() == len(entries)

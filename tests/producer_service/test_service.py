@@ -554,29 +554,50 @@ async def test_shutdown_drains_bound_fetch_then_fails_the_rest() -> None:
         server.lot.check_invariants()
 
 
-async def test_shutdown_fails_a_bound_fetch_that_outlasts_the_grace() -> None:
-    """Shutdown (docs/protocol.md): a bound Fetch that cannot finish (its chunk 1 is never
-    parked) is served for the whole grace, not failed at once, then ended with
-    TransferDone{FAILED, SHUTTING_DOWN} and its chunks freed. A short grace keeps the test
-    short."""
-    grace = 0.5
+async def test_shutdown_ends_a_fetch_waiting_for_a_chunk_at_once() -> None:
+    """Shutdown (docs/protocol.md): a bound Fetch waiting for a chunk (its chunk 1 is never
+    parked, and no Park is taken any more) gets TransferDone{FAILED, SHUTTING_DOWN} at once,
+    with what was committed sent, and does not hold the drain for the grace."""
+    grace = 30.0
     async with running_producer(shutdown_grace_s=grace) as server, stub_for(server) as stub:
         await park(stub, "stuck", {0: b"s" * 100}, total=2)
-        call = stub.Fetch(pb.FetchRequest(kv_request_id="stuck", wait_timeout_s=30))
+        call = stub.Fetch(pb.FetchRequest(kv_request_id="stuck", wait_timeout_s=60))
         assert (await call.read()).chunk.chunk_id == 0
         started = time.monotonic()
         shutdown = asyncio.create_task(server.shutdown())
         last = await call.read()
-        failed_after = time.monotonic() - started
         assert (last.done.status, last.done.reason) == (pb.STATUS_FAILED, pb.REASON_SHUTTING_DOWN)
         assert last.done.chunks_sent == 1
-        # The producer's grace deadline starts after `started`, so a fetch failed by the grace
-        # (and not at once) cannot end sooner; its own 30 s wait would say WAIT_TIMEOUT.
-        assert failed_after >= grace, f"failed {failed_after:.3f}s into a {grace}s grace"
         assert await call.read() is grpc.aio.EOF
-        await shutdown
+        await asyncio.wait_for(shutdown, grace)
+        elapsed = time.monotonic() - started
+        assert elapsed < grace / 3, f"shutdown took {elapsed:.3f}s of a {grace}s grace"
         (stuck,) = server.lot.lookup(["stuck"])
         assert (stuck.state, stuck.reason) == (pb.STATE_TOMBSTONED, pb.REASON_SHUTTING_DOWN)
+        assert server.pool.statistics().used_bytes == 0
+        server.lot.check_invariants()
+
+
+async def test_shutdown_fails_a_bound_fetch_that_outlasts_the_grace() -> None:
+    """A Fetch that could finish but does not within the grace (its consumer reads nothing)
+    holds the drain for the whole grace, then its id is ended SHUTTING_DOWN and freed."""
+    grace = 0.5
+    async with running_producer(shutdown_grace_s=grace) as server:
+        # As in the drain test: a 64 KiB window keeps the 8 MiB in the producer.
+        options = [*channel_options(), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            stub = pb_grpc.KVProducerStub(channel)
+            await park(stub, "slow", chunks_of(8, MiB), total=8)
+            call = stub.Fetch(pb.FetchRequest(kv_request_id="slow"))
+            assert (await call.read()).chunk.chunk_id == 0  # bound; then nothing is read
+            started = time.monotonic()
+            await server.shutdown()
+            elapsed = time.monotonic() - started
+            # The grace deadline starts after `started`: a drain that waited cannot end sooner.
+            assert elapsed >= grace, f"shutdown took {elapsed:.3f}s of a {grace}s grace"
+            call.cancel()
+        (slow,) = server.lot.lookup(["slow"])
+        assert (slow.state, slow.reason) == (pb.STATE_TOMBSTONED, pb.REASON_SHUTTING_DOWN)
         assert server.pool.statistics().used_bytes == 0
         server.lot.check_invariants()
 
