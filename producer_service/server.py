@@ -34,6 +34,7 @@ from .data_listener import DataListener
 from .data_threads import DataThreads
 from .fd_budget import check_fd_budget, descriptors_needed, lends_within_limit
 from .idle_trim import IdleHeapTrim
+from .listen_names import check_every_address_free
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
 from .metrics import ProducerMetrics
@@ -301,6 +302,7 @@ class ProducerServer:
                 "(allow_insecure is set): anyone who reaches it can read and write KV cache",
                 extra={"kv": {"listen": c.listen}},
             )
+        check_every_address_free("listen", c.listen_address)
         try:
             if c.tls_enabled:
                 port = server.add_secure_port(c.listen, _server_credentials(self.credentials))
@@ -447,7 +449,7 @@ async def serve(
     if stop_requested():
         log.info("signal received before serving; not starting")
         return 0
-    log.info("allocating the pool", extra={"kv": {"pool_bytes": config.pool_bytes}})
+    log.debug("allocating the pool", extra={"kv": {"pool_bytes": config.pool_bytes}})
     server = ProducerServer(config, credentials=credentials)
     await server.start()
     await stop.wait()

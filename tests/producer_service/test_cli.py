@@ -172,7 +172,7 @@ def test_a_signal_while_the_pool_is_allocated_stops_it_cleanly(
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpark.producer", "--pool-bytes", "2GiB",
-         "--listen", f"127.0.0.1:{port}", "--metrics-listen", ""],
+         "--listen", f"127.0.0.1:{port}", "--metrics-listen", "", "--log-level", "debug"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
     )  # fmt: skip
     try:
