@@ -120,6 +120,30 @@ def test_a_listener_port_in_use_is_named(key: str) -> None:
     )
 
 
+async def test_a_name_with_one_address_taken_is_refused_not_half_bound() -> None:
+    """`localhost` is 127.0.0.1 and ::1: with another process on 127.0.0.1:P, a producer on
+    localhost:P must not start on ::1 alone while clients dialing 127.0.0.1:P reach the other
+    one."""
+    try:
+        with socket.socket(socket.AF_INET6) as v6:
+            v6.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no ::1 here: grpc binds localhost on 127.0.0.1 alone")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            OSError, match=rf"^listen: cannot bind 'localhost:{port}' on 127.0.0.1: Address"
+        ):
+            async with running_producer(listen=f"localhost:{port}"):
+                pass
+    async with running_producer(listen=f"localhost:{port}") as server:  # once free: both
+        for host in ("127.0.0.1", "[::1]"):
+            async with AsyncKVParker(f"{host}:{port}") as parker:
+                assert (await parker.server_info()).producer_epoch == server.epoch
+
+
 def test_an_shm_socket_another_producer_serves_is_named(shm_socket: str) -> None:
     with socket.socket(socket.AF_UNIX) as busy:
         busy.bind(shm_socket)
