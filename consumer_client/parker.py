@@ -267,7 +267,7 @@ class KVParker(ClientBase):
     ) -> ParkBatch:
         """A batch to fill chunk by chunk (`put`), committed when its block ends cleanly and
         undone when it ends with an exception. `batch_bytes` > 0 reserves that much of the
-        pool before the first chunk."""
+        pool before the first chunk, less what the id holds committed already."""
         kid = valid_id(kv_request_id)
         frames = ParkFrames(
             kid,

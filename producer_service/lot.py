@@ -397,13 +397,21 @@ class Lot:
             conflict = self._total_conflict(entry, total_chunks)
             if conflict:
                 return Refusal(CHUNK_CONFLICT, conflict)
+        # A batch sent again after a broken call carries the header it was first sent with, and
+        # its chunks the id already holds take no pages: setting aside all it declares would
+        # refuse it POOL_FULL, or evict a delivered id, for room it never uses. So only what
+        # exceeds the id's committed bytes is set aside; a fresh id's batch reserves it all.
+        reserve = batch_bytes - (entry.nbytes if entry is not None else 0)
         reservation = None
-        if batch_bytes:
-            reservation = self._reserve(batch_bytes)
+        if reserve > 0:
+            reservation = self._reserve(reserve)
             if reservation is None:
+                beyond = (
+                    f" ({reserve} beyond the id's committed bytes)" if reserve < batch_bytes else ""
+                )
                 return Refusal(
                     POOL_FULL,
-                    f"batch of {batch_bytes} bytes, {self.pool.free_bytes} bytes free",
+                    f"batch of {batch_bytes} bytes{beyond}, {self.pool.free_bytes} bytes free",
                     retry_after_s=self._retry_after(now),
                 )
         if entry is None:

@@ -13,7 +13,8 @@ answers while the slot still holds that generation, and freeing a slot bumps it.
 by mistake after a free raises `StaleSlotError` instead of reading someone else's bytes.
 
 Reservations: a Park batch that declares `batch_bytes` takes its pages out of the free list
-before any data is sent, so a declared batch that was accepted cannot run out half-way.
+before any data is sent, so a declared batch that was accepted cannot run out half-way (the
+lot asks only for what exceeds the id's committed bytes: a re-sent chunk takes no pages).
 
 Accounting is exact and checked by `check_invariants()`: every page is in exactly one of
 {free list, an unused reservation, a slot}, and the counters match the sum of the parts.

@@ -150,6 +150,22 @@ async def test_pool_full_past_the_timeout_is_a_typed_result() -> None:
             result.ok = True  # type: ignore[misc]
 
 
+async def test_parking_an_id_again_on_a_full_pool_needs_no_room_for_what_it_holds() -> None:
+    """`park` declares its bytes on every attempt, so a caller that parks again what it parked
+    already (its first answer was lost) sends a header asking for room the id holds: accepted
+    at once, not POOL_FULL until the timeout."""
+    async with running_producer(pool_bytes=8 * MiB, max_batch_share=1) as server:
+        async with AsyncKVParker(server.target, timeout=2) as parker:
+            mine = blocks(2, MiB, seed=3)
+            assert (await parker.park("mine", mine)).ok
+            assert (await parker.park("filler", blocks(6, MiB))).ok
+            assert server.pool.statistics().free_bytes == 0
+            again = await parker.park("mine", mine)
+        assert again.ok and again.attempts == 1, again
+        assert (again.chunks_parked, again.bytes_parked) == (2, 2 * MiB)
+        server.lot.check_invariants()
+
+
 def test_a_pool_full_retry_is_not_started_without_time_for_its_call() -> None:
     """A retry that would start with only moments left would end DEADLINE_EXCEEDED and hide
     the answer that matters (the pool stayed full): the parker stops and keeps POOL_FULL."""

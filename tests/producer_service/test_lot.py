@@ -885,6 +885,32 @@ def test_a_declared_batch_cannot_be_starved_by_an_undeclared_one() -> None:
     assert rig.pool.statistics().reservations_open == 0
 
 
+def test_a_declared_batch_reserves_only_what_exceeds_the_ids_committed_bytes() -> None:
+    """A batch sent again after a broken call declares what it declared the first time, but
+    the chunks the id holds take no pages: only the rest is set aside, so a re-send on a full
+    pool is neither refused POOL_FULL nor a cause to evict a delivered id."""
+    rig = Rig(pool_pages=16)
+    a = {0: blob("a", 0, 4 * PAGE), 1: blob("a", 1, 4 * PAGE)}
+    assert isinstance(rig.park("a", a, total=3, batch_bytes=8 * PAGE), ParkDone)
+    rig.parked("b", four_pages("b"))
+    rig.parked("c", four_pages("c"))
+    rig.deliver("c")  # not confirmed: evicted only to make room a Park needs
+    assert rig.pool.statistics().free_bytes == 0
+    again = rig.park("a", a, total=3, batch_bytes=8 * PAGE)
+    assert again == ParkDone(2, 8 * PAGE, 3, 60.0), again
+    assert rig.state("c").state == pb.STATE_DELIVERED
+    assert rig.stats().evicted_total == 0
+    # A batch declaring more than the id holds sets the difference aside, evicting for it.
+    more = rig.begin("a", batch_bytes=12 * PAGE)
+    assert rig.pool.statistics().reserved_bytes == 4 * PAGE
+    assert_tombstoned(rig, "c", EVICTED)
+    rig.chunk(more, 0, a[0])
+    rig.chunk(more, 2, blob("a", 2, 4 * PAGE))
+    assert rig.committed(more) == ParkDone(3, 12 * PAGE, 3, 60.0)
+    rig.assert_stored(16 * PAGE)
+    rig.lot.check_invariants()
+
+
 def test_unused_reserved_pages_return_when_the_batch_ends(rig: Rig) -> None:
     batch = rig.begin("over", batch_bytes=10 * PAGE)
     assert rig.pool.statistics().reserved_bytes == 10 * PAGE
@@ -2364,6 +2390,8 @@ class LotMachine(RuleBasedStateMachine):
     # --- Park ---------------------------------------------------------------------------------
     def do_begin(self, kid: str, total: int, batch_bytes: int) -> MBatch | None:
         entry = self.entries.get(kid)
+        # Chunks the id holds need no pages again: only what exceeds them is set aside.
+        reserve = batch_bytes - (sum(map(len, entry.chunks.values())) if entry else 0)
         expected, late = None, False
         if self.shutting_down:
             expected = SHUTTING_DOWN
@@ -2375,7 +2403,7 @@ class LotMachine(RuleBasedStateMachine):
             expected = TOO_LARGE
         elif entry is not None and total and self.total_conflict(entry, total):
             expected = CHUNK_CONFLICT
-        elif batch_bytes and not self.make_room(pages(batch_bytes)):
+        elif reserve > 0 and not self.make_room(pages(reserve)):
             expected = POOL_FULL
         opened = self.lot.begin_park(kid, total, batch_bytes)
         if expected is not None:
@@ -2390,7 +2418,7 @@ class LotMachine(RuleBasedStateMachine):
         if total and entry.total != total:
             entry.total = total
             self.notify(entry)
-        mb = MBatch(entry, opened, pages(batch_bytes), bool(batch_bytes), self.now, self.now)
+        mb = MBatch(entry, opened, pages(max(0, reserve)), reserve > 0, self.now, self.now)
         opened.wake = functools.partial(self.woke, mb)
         self.batches.append(mb)
         return mb

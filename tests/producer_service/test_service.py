@@ -278,6 +278,41 @@ async def test_pool_full_with_retry_after_and_too_large() -> None:
             assert (evicted.state, evicted.reason) == (pb.STATE_TOMBSTONED, pb.REASON_EVICTED)
 
 
+async def test_a_declared_batch_sent_again_needs_no_room_for_what_the_id_holds() -> None:
+    """The answer to a Park is lost and the client sends the same batch again, header and
+    all: its chunks are committed already, so on a full pool it is accepted, and the delivered
+    id whose pages it would have reserved is not evicted for it."""
+    async with running_producer(pool_bytes=4 * MiB, max_chunk_bytes=MiB) as server:
+        async with stub_for(server) as stub:
+            a = {0: b"\x01" * MiB, 1: b"\x02" * MiB}
+            first = await park(stub, "a", a, total=2, batch_bytes=2 * MiB)
+            assert first.status == pb.STATUS_OK
+            await park(stub, "c", {0: b"\x03" * MiB, 1: b"\x04" * MiB}, total=2)
+            assert (await fetch_all(stub, "c"))[-1].done.status == pb.STATUS_OK
+            assert server.pool.statistics().free_bytes == 0
+            again = await park(stub, "a", a, total=2, batch_bytes=2 * MiB)
+            assert (again.status, again.chunks_parked, again.bytes_parked) == (
+                pb.STATUS_OK,
+                2,
+                2 * MiB,
+            ), again
+            assert (await state_of(stub, "c")).state == pb.STATE_DELIVERED
+            assert server.lot.statistics().evicted_total == 0
+            server.lot.check_invariants()
+            # A new id's declared batch still reserves all it declares, evicting for it.
+            fresh = await park(stub, "b", {}, batch_bytes=2 * MiB)
+            assert fresh.status == pb.STATUS_OK
+            evicted = await state_of(stub, "c")
+            assert (evicted.state, evicted.reason) == (pb.STATE_TOMBSTONED, pb.REASON_EVICTED)
+            # Now a and nothing else that could go: the same re-send is still accepted.
+            await park(stub, "d", {0: b"\x05" * MiB, 1: b"\x06" * MiB}, total=2)
+            assert server.pool.statistics().free_bytes == 0
+            third = await park(stub, "a", a, total=2, batch_bytes=2 * MiB)
+            assert third.status == pb.STATUS_OK, third
+            assert (await state_of(stub, "d")).state == pb.STATE_PARKED
+            server.lot.check_invariants()
+
+
 @pytest.mark.parametrize("cut", ["cancel", "deadline"])
 async def test_park_cut_off_mid_batch_is_undone_not_committed(cut: str) -> None:
     """A prefill that goes away mid-batch (cancel, deadline, crash) leaves nothing behind: the
