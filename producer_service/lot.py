@@ -613,11 +613,12 @@ class Lot:
             self._start_lease(entry, now)
         elif entry.binding is not None:
             entry.binding.notify()
-        done = ParkDone(
-            len(entry.chunks), entry.nbytes, entry.total_chunks, self._timer_remaining(entry, now)
-        )
         self._drop_if_idle(entry)
-        return done
+        # A batch that leaves the id with nothing committed and nothing attached (an empty
+        # first batch) lets it be forgotten, its declared total with it: the answer must not
+        # report a total that a later header is free to declare otherwise.
+        total = entry.total_chunks if self._entries.get(entry.kv_request_id) is entry else 0
+        return ParkDone(len(entry.chunks), entry.nbytes, total, self._timer_remaining(entry, now))
 
     def end_park_stream(self, batch: ParkBatch) -> Refusal:
         """The stream ended without a commit: nothing of the batch is kept."""

@@ -536,11 +536,27 @@ def test_every_chunk_message_counts_toward_the_commit_repeats_included(rig: Rig)
 
 
 def test_an_empty_commit_of_an_empty_batch_succeeds_and_leaves_nothing(rig: Rig) -> None:
+    """The id is forgotten with the declared total, so the answer reports none: the next
+    header may declare another."""
     batch = rig.begin("empty", total=4)
-    assert rig.committed(batch) == ParkDone(0, 0, 4, 0.0)
+    assert rig.committed(batch) == ParkDone(0, 0, 0, 0.0)
     assert rig.state("empty") == IdStatus("empty", pb.STATE_UNKNOWN)
     assert rig.stats().tombstones == 0
     rig.assert_pool_empty()
+    assert rig.parked("empty", [0], total=5).total_chunks == 5
+
+
+def test_an_empty_batch_on_an_id_kept_by_something_else_reports_the_total_it_keeps(
+    rig: Rig,
+) -> None:
+    """Another open batch, or a Fetch waiting for the id, keeps it and its declared total."""
+    other = rig.begin("open", total=4)
+    assert rig.committed(rig.begin("open", total=4)) == ParkDone(0, 0, 4, 0.0)
+    assert_refused(rig.lot.begin_park("open", 5, 0), CHUNK_CONFLICT)
+    rig.lot.abort_park(other)
+    rig.bound("demand")
+    assert rig.committed(rig.begin("demand", total=3)) == ParkDone(0, 0, 3, 0.0)
+    assert rig.state("demand").total_chunks == 3
 
 
 def test_resending_committed_bytes_stores_nothing_extra(rig: Rig) -> None:
@@ -2512,8 +2528,9 @@ class LotMachine(RuleBasedStateMachine):
         self.notify(entry)
         lease = 0.0 if entry.committed_at is None else self.status(entry.kid).lease_remaining_s
         nbytes = sum(map(len, entry.chunks.values()))
-        assert done == ParkDone(len(entry.chunks), nbytes, entry.total, lease), done
         self.drop_if_idle(entry)
+        total = entry.total if self.entries.get(entry.kid) is entry else 0  # forgotten: none
+        assert done == ParkDone(len(entry.chunks), nbytes, total, lease), done
 
     def do_end_stream(self, mb: MBatch) -> None:
         refused = self.lot.end_park_stream(mb.batch)

@@ -411,6 +411,19 @@ async def test_chunk_conflict_idempotent_repark_and_checksum_mismatch() -> None:
         server.lot.check_invariants()
 
 
+async def test_an_empty_first_batch_reports_no_total_since_the_id_is_forgotten() -> None:
+    """A header declaring a total and a commit of nothing leave the id unknown, its total
+    forgotten with it: the answer agrees with Lookup, and the next header may declare another."""
+    async with running_producer() as server, stub_for(server) as stub:
+        empty = await park(stub, "e", {}, total=3)
+        assert (empty.status, empty.chunks_parked, empty.total_chunks) == (pb.STATUS_OK, 0, 0)
+        state = await state_of(stub, "e")
+        assert (state.state, state.total_chunks) == (pb.STATE_UNKNOWN, 0)
+        later = await park(stub, "e", {0: b"x"}, total=5)
+        assert (later.status, later.total_chunks) == (pb.STATUS_OK, 5)
+        server.lot.check_invariants()
+
+
 async def test_epoch_mismatch_answered_at_once() -> None:
     """A Fetch for another producer epoch is refused before it binds: nothing streamed and no
     waiting, however long the consumer offered to wait."""
