@@ -797,7 +797,8 @@ class Lot:
         notify: Notify,
         expected_fingerprint: bytes = b"",
     ) -> FetchBinding | Refusal:
-        """Attaches a Fetch, or refuses it at once. Raises MalformedRequest for bad chunk_ids.
+        """Attaches a Fetch, or refuses it at once. Raises MalformedRequest for chunk_ids
+        beyond the id's total; a list that repeats a chunk is the caller's to refuse first.
         With `expected_fingerprint`, an id parked with another is refused, untouched."""
         now = self.clock()
         if expected_epoch and expected_epoch != self.epoch:
@@ -812,8 +813,6 @@ class Lot:
         if self._shutting_down:
             return Refusal(SHUTTING_DOWN, "producer is shutting down")
         requested = list(chunk_ids) if chunk_ids else None
-        if requested is not None and len(set(requested)) != len(requested):
-            raise MalformedRequest("chunk_ids repeats a chunk")
         entry = self._entries.get(kv_request_id)
         if entry is not None and expected_fingerprint:
             mismatch = _fingerprint_mismatch(

@@ -278,6 +278,11 @@ class KVProducerServicer:
             await _invalid(
                 context, f"{len(request.chunk_ids)} chunk_ids, more than the pool can hold ({most})"
             )
+        # Repeats are malformed whatever the id's state: refused before binding, whose epoch,
+        # tombstone and shutdown refusals would otherwise answer them in-band (a chunk beyond
+        # the id's total needs the id, so binding checks that).
+        if len(set(request.chunk_ids)) != len(request.chunk_ids):
+            await _invalid(context, "chunk_ids repeats a chunk")
         expected = await _valid_fingerprint(
             context, "expected_fingerprint", request.expected_fingerprint
         )

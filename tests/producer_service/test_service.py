@@ -529,6 +529,28 @@ async def test_malformed_fetch_keepalive_lookup_release_are_invalid_argument() -
         assert (await state_of(stub, "m")).state == pb.STATE_PARKED
 
 
+async def test_chunk_ids_that_repeat_are_invalid_argument_whatever_the_ids_state() -> None:
+    """A malformed request is refused as such, not answered in-band by a refusal that only
+    applies to valid ones: a tombstoned id, another epoch, a producer shutting down."""
+    async with running_producer() as server, stub_for(server) as stub:
+        await park(stub, "gone", {0: b"g"}, total=1)
+        released = await stub.Release(pb.ReleaseRequest(kv_request_id="gone"))
+        assert released.status == pb.STATUS_OK
+        cases: list[dict[str, Any]] = [
+            {"kid": "gone", "chunk_ids": [0, 0]},
+            {"kid": "n", "chunk_ids": [1, 0, 1], "expected_epoch": server.epoch + 1},
+            {"kid": "n", "chunk_ids": [2, 2], "shutting_down": True},
+        ]
+        for case in cases:
+            if case.pop("shutting_down", False):
+                server.lot.begin_shutdown()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await fetch_all(stub, case.pop("kid"), **case)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+            assert "repeats" in (err.value.details() or ""), err.value.details()
+        assert late_fetches(server) == 0
+
+
 async def test_server_info_health_and_reflection() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
