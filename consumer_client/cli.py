@@ -353,7 +353,7 @@ def _fetch(args: argparse.Namespace) -> int:
                 # The file is complete either way: a confirm that does not get through only
                 # leaves the id parked until the producer's delivery grace frees it.
                 try:
-                    confirmed = client.confirm(result)
+                    confirmed = client.confirm(result, timeout=args.rpc_timeout)
                 except KVParkError as exc:
                     confirm_error = f"{exc}; the producer frees the id after its delivery grace"
                 else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -189,6 +190,40 @@ def test_a_fetch_whose_confirm_fails_still_delivers_its_file(
     assert b"kvpark fetch: slow not confirmed: " in err
     if why == "grace ran out":
         assert summary["confirm_error"].startswith("refused, ALREADY_CONSUMED")
+
+
+def test_a_fetch_confirms_under_the_rpc_timeout(
+    producer_process: Callable[..., ProducerProcess], tmp_path: Path
+) -> None:
+    """The confirm is a unary call like the others: a producer that freezes (SIGSTOP) while
+    the file is written fails it at --rpc-timeout with DEADLINE_EXCEEDED, well before the
+    channel's keepalive (a ping every 2 s, 2 s to answer) would call the producer UNAVAILABLE
+    and long before the client's own default timeout."""
+    producer = producer_process()
+    chunks = payload(4, 256 * 1024)  # more than a pipe holds: the writer waits for our reads
+    park_sync(producer.target, "frozen", chunks, total=4)
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    argv = ["--target", producer.target, "--rpc-timeout", "0.5", "--json"]
+    fetch = subprocess.Popen(
+        [*installed_kvpark(), *argv, "fetch", "frozen", "--chunks", "4", "--out", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        with open(fifo, "rb") as reader:
+            first = reader.read(1)  # the load is over: the fetch is writing its file
+            producer.proc.send_signal(signal.SIGSTOP)
+            rest = reader.read()
+        out, err = fetch.communicate(timeout=60)
+    finally:
+        fetch.kill()
+        producer.proc.send_signal(signal.SIGCONT)
+    assert fetch.returncode == cli.EXIT_OK, err
+    assert first + rest == joined(chunks)
+    summary = json.loads(out)
+    assert summary["ok"] is True and summary["confirmed"] is False
+    assert summary["confirm_error"].startswith("Release: DEADLINE_EXCEEDED"), summary
 
 
 def test_a_fetch_that_names_no_delivery_is_written_and_not_confirmed(
