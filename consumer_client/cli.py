@@ -42,11 +42,12 @@ asking several producers, at least one of them did not answer (the others' rows 
 all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
 host:port, unreadable token file, a TLS file that is not a PEM certificate or key,
 --tls-server-name without TLS, a bad line in the targets file, several --target for a command
-that takes one); 3 the call did not get through (unreachable, deadline, auth, not a
-kvpark producer; for a fetch, a connection that broke or a load timeout before any chunk came
-back); 130 interrupted by Ctrl-C. `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`,
-except 3 when the last refresh of a `--count` run did not reach the producer (while it runs, a
-producer that does not answer is shown and asked again). `kvpark bench` has its own: 0 every
+that takes one); 3 the call did not get through (unreachable, deadline, overloaded, auth, not
+a kvpark producer; for a fetch, a connection that broke, or a load timeout or a call shed
+(RESOURCE_EXHAUSTED, ABORTED, CANCELLED) before any chunk came back); 130 interrupted by
+Ctrl-C. `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`, except 3 when the last
+refresh of a `--count` run did not reach the producer (while it runs, a producer that does not
+answer is shown and asked again). `kvpark bench` has its own: 0 every
 byte verified, 1 a wrong byte or outcome or a section that could not run (or its
 `--json-file` could not be written), 2 usage (a `--json-file` that cannot be written is found
 before the run), 130 interrupted.
@@ -69,7 +70,14 @@ from kvpark.alloc import tune_allocator
 from kvpark.fingerprints import fingerprint_problem
 
 from . import cli_fleet, cli_top
-from ._errors import KVParkError, RequestRejectedError, RPCError, UsageError
+from ._errors import (
+    KVParkError,
+    RequestRejectedError,
+    RPCError,
+    TransportError,
+    UsageError,
+    classify_status,
+)
 from ._models import IdStatus
 from ._result import LoadResult, Reason
 from ._sync import KVConsumer
@@ -420,12 +428,20 @@ OUTPUT_FAILED = "OUTPUT_FAILED"
 
 def _did_not_get_through(result: LoadResult) -> bool:
     """A load that failed without the producer answering it: the producer was unreachable or
-    the connection broke (UNAVAILABLE), or not one chunk came back before the load timeout.
-    Once chunks have arrived the producer was reached, and a timeout is a fetch that failed
-    partway, like the producer's own refusals."""
+    the connection broke (UNAVAILABLE), or, before any chunk came back, the load timed out or
+    ended with a status `classify_status` calls a transport failure (the producer shedding
+    load with RESOURCE_EXHAUSTED, ABORTED, CANCELLED): the code `info` and `lookup` exit with
+    for the same status. Once chunks have arrived the producer was reached, and a failure is a
+    fetch that failed partway, like the producer's own refusals."""
     if result.reason is Reason.UNAVAILABLE:
         return True
-    return result.reason is Reason.TIMEOUT and result.chunks_loaded == 0
+    if result.chunks_loaded > 0:
+        return False
+    if result.reason is Reason.TIMEOUT:
+        return True
+    return result.grpc_code is not None and issubclass(
+        classify_status(result.grpc_code).error, TransportError
+    )
 
 
 def _write_out(out: str, data: memoryview) -> str | None:

@@ -5,12 +5,14 @@ usage errors, Ctrl-C ends without a traceback."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -19,14 +21,17 @@ from conftest import (
     ProducerProcess,
     free_port,
     park,
+    park_requests,
     running_producer,
     state_of,
     stub_for,
     wait_for,
+    wait_until,
 )
 from consumer_support import in_thread, joined, park_sync, payload
 
-from kvpark.client import cli
+from kvpark.client import LoadResult, cli
+from kvpark.client._errors import classify_status
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
@@ -169,6 +174,75 @@ async def test_a_fetch_that_times_out_after_chunks_arrived_exits_1(
         )  # fmt: skip
         assert code == cli.EXIT_FAILED
         assert "failed: TIMEOUT after 1 chunks" in capsys.readouterr().out
+
+
+async def test_a_fetch_an_overloaded_producer_sheds_exits_3_like_info(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A producer at its max_concurrent_rpcs refuses the Fetch (RESOURCE_EXHAUSTED) before any
+    chunk: the call did not get through, the exit code info and lookup give for the same
+    status (3), not the one of a producer that answered with a failure (1)."""
+    async with running_producer(max_concurrent_rpcs=1) as server, stub_for(server) as stub:
+        await park(stub, "busy", {0: b"a" * 100}, total=1)
+        # A Park batch left open holds the producer's one call until it is cancelled.
+        header = park_requests("holder", {}, commit=False)[0]
+        release_holder = asyncio.Event()
+
+        async def holder_requests() -> AsyncIterator[pb.ParkRequest]:
+            yield header
+            await release_holder.wait()
+
+        holder = stub.Park(holder_requests())
+        try:
+            await wait_until(lambda: server.lot.statistics().open_batches == 1, what="holder")
+            t = ("--target", server.target)
+            assert await run_cli(*t, "info") == cli.EXIT_RPC
+            assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
+            out = tmp_path / "x.kv"
+            code = await run_cli(*t, "--json", "fetch", "busy", "--chunks", "1", "--out", str(out))
+            assert code == cli.EXIT_RPC
+            summary = json.loads(capsys.readouterr().out)
+            assert summary["reason"] == "RPC_ERROR" and summary["chunks_loaded"] == 0
+            assert not out.exists()
+        finally:
+            holder.cancel()
+            release_holder.set()
+
+        async def state_once_served() -> pb.IdState | None:
+            try:
+                return await state_of(stub, "busy")
+            except grpc.aio.AioRpcError as exc:  # the holder's call not ended yet
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                return None
+
+        # Shed, not refused: the id is still there for the retry.
+        state = await wait_until(state_once_served, what="the holder's call to end")
+        assert state.state == pb.STATE_PARKED
+
+
+@pytest.mark.parametrize(
+    ("code", "chunks_loaded", "did_not_get_through"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 0, True),
+        (grpc.StatusCode.ABORTED, 0, True),
+        (grpc.StatusCode.CANCELLED, 0, True),
+        # The producer was reached: a fetch that failed partway, or a peer that broke the
+        # contract, is a failure (1).
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 1, False),
+        (grpc.StatusCode.INTERNAL, 0, False),
+    ],
+)
+def test_which_load_statuses_did_not_get_through(
+    code: grpc.StatusCode, chunks_loaded: int, did_not_get_through: bool
+) -> None:
+    rule = classify_status(code)
+    assert rule.load_reason is not None
+    result = LoadResult(
+        kv_request_id="x", ok=False, reason=rule.load_reason, detail="", chunk_ids=None,
+        chunks_loaded=chunks_loaded, bytes=100 * chunks_loaded, chunk_sizes=(100,) * chunks_loaded,
+        elapsed_s=0.1, producer_epoch=0, grpc_code=code,
+    )  # fmt: skip
+    assert cli._did_not_get_through(result) is did_not_get_through
 
 
 async def test_a_fetch_the_producer_calls_malformed_exits_1(
