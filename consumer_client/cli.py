@@ -45,12 +45,13 @@ host:port, unreadable token file, a TLS file that is not a PEM certificate or ke
 that takes one); 3 the call did not get through (unreachable, deadline, overloaded, auth, not
 a kvpark producer; for a fetch, a connection that broke, or a load timeout or a call shed
 (RESOURCE_EXHAUSTED, ABORTED, CANCELLED) before any chunk came back); 130 interrupted by
-Ctrl-C. `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`, except 3 when the last
-refresh of a `--count` run did not reach the producer (while it runs, a producer that does not
-answer is shown and asked again). `kvpark bench` has its own: 0 every
-byte verified, 1 a wrong byte or outcome or a section that could not run (or its
-`--json-file` could not be written), 2 usage (a `--json-file` that cannot be written is found
-before the run), 130 interrupted.
+Ctrl-C. A reader of stdout that goes away (`| head`) ends a command quietly with 0, as it ends
+`kvpark top` (a `fetch --out -` whose payload it cut short is 1, as above).
+`kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`, except 3 when the last refresh of a
+`--count` run did not reach the producer (while it runs, a producer that does not answer is
+shown and asked again). `kvpark bench` has its own: 0 every byte verified, 1 a wrong byte or
+outcome or a section that could not run (or its `--json-file` could not be written), 2 usage
+(a `--json-file` that cannot be written is found before the run), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -570,6 +571,24 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # What stdout still buffers is written here, where a reader that went away is
+            # handled, rather than at the interpreter's exit (a traceback there, exit 120).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of stdout went away (`kvpark info | head -1`): done, as `kvpark top` is
+        # then. One code whether the text was still buffered or already being written
+        # (PYTHONUNBUFFERED, a table larger than the buffer). Stdout is pointed at /dev/null
+        # so that the interpreter's last flush does not fail again. (`fetch --out -` reports a
+        # payload it could not write itself, and exits 1.)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     given = given_targets(args)

@@ -1,7 +1,7 @@
 """`kvpark` when its output or its producer fails it: a fetch is confirmed only once every byte
 went out, a failed write or open is one line and a non-zero exit (the id stays on the
 producer), a fetch that never reached the producer exits 3, bad --target and TLS options are
-usage errors, Ctrl-C ends without a traceback."""
+usage errors, Ctrl-C and a reader of stdout that goes away end without a traceback."""
 
 from __future__ import annotations
 
@@ -96,6 +96,57 @@ def test_a_reader_closing_the_pipe_midway_leaves_the_id_unconfirmed(
     assert retry.returncode == cli.EXIT_OK, retry.stderr
     assert out.read_bytes() == joined(chunks)
     assert lookup_sync(producer.target, "piped").state == pb.STATE_TOMBSTONED
+
+
+def run_without_a_reader(argv: list[str], *, unbuffered: bool) -> tuple[int, str]:
+    """`kvpark argv` with stdout a pipe whose reader is gone before it writes (`| head -0`):
+    its exit code and stderr. `unbuffered`: each print is written at once (PYTHONUNBUFFERED),
+    else the text waits in stdout's buffer."""
+    env = {k: v for k, v in kvpark_env().items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [*kvpark_command(), *argv], stdout=write_end, stderr=subprocess.PIPE, timeout=60,
+            env=env,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    return proc.returncode, proc.stderr.decode()
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+def test_a_reader_of_stdout_that_goes_away_ends_a_command_quietly(
+    producer_process: Callable[..., ProducerProcess], unbuffered: bool
+) -> None:
+    """No traceback and exit 0, as `kvpark top` ends then, whether the text was still in
+    stdout's buffer or being written (unbuffered, or a table larger than the buffer)."""
+    a, b = producer_process(), producer_process()
+    park_sync(a.target, "here", payload(1, 100), total=1)
+    dead = f"127.0.0.1:{free_port()}"
+    many_ids = [f"id-{n}" for n in range(500)]  # a table larger than stdout's buffer
+    for argv in (
+        ["--target", a.target, "info"],
+        ["--target", a.target, "--json", "info"],
+        ["info", "--target", a.target, "--target", b.target],
+        ["--target", a.target, "lookup", "here"],
+        ["--target", a.target, "lookup", *many_ids],
+        ["lookup", "here", "--target", a.target, "--target", b.target],
+        ["--help"],
+    ):
+        returncode, stderr = run_without_a_reader(argv, unbuffered=unbuffered)
+        assert (returncode, stderr) == (cli.EXIT_OK, ""), argv
+    # A producer that did not answer is reported on stderr if the table was still buffered
+    # when the command went on to report it; cut short while printing, it ends all the same.
+    argv = ["lookup", "here", "--target", a.target, "--target", dead]
+    returncode, stderr = run_without_a_reader(argv, unbuffered=unbuffered)
+    assert returncode == cli.EXIT_OK and "Traceback" not in stderr, stderr
+    if unbuffered:
+        assert stderr == ""
+    else:
+        assert stderr.startswith(f"kvpark lookup: {dead}: "), stderr
 
 
 async def test_a_fetch_into_a_file_that_cannot_be_written_is_not_confirmed(
