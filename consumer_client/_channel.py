@@ -164,6 +164,9 @@ def target_problem(target: object) -> str | None:
         return f"{_EXPECTED_TARGET}, got {target!r}"
     if not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return f"{_EXPECTED_TARGET}, got {target!r}"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # gRPC's resolver takes "::1:50051" for a name, and fails to resolve it.
+        return f"{target!r}: put an IPv6 address in brackets, as in '[::1]:50051'"
     if int(port) == 0:
         return f"{target!r}: port 0 cannot be dialed"
     return None

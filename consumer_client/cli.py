@@ -37,21 +37,21 @@ about them. `kvpark bench` (kvpark.client.bench) is registered here like the oth
 Exit codes: 0 success; 1 the producer answered with a failure (a fetch that did not load, a
 release it refused, a request it called malformed), a fetch whose bytes could not all be
 written to `--out` (the delivery is then not confirmed: the producer keeps the id for a retry
-within its delivery grace; a file written in full whose confirm fails is 0, with a warning), or,
-asking several producers, at least one of them did not answer (the others' rows are printed
-all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that is not a dialable
-host:port, unreadable token file, a TLS file that is not a PEM certificate or key,
---tls-server-name without TLS, a bad line in the targets file, several --target for a command
-that takes one); 3 the call did not get through (unreachable, deadline, overloaded, auth, not
-a kvpark producer; for a fetch, a connection that broke, or a load timeout or a call shed
-(RESOURCE_EXHAUSTED, ABORTED, CANCELLED) before any chunk came back); 130 interrupted by
-Ctrl-C. A reader of stdout that goes away (`| head`) ends a command quietly with 0, as it ends
-`kvpark top` (a `fetch --out -` whose payload it cut short is 1, as above).
-`kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`, except 3 when the last refresh of a
-`--count` run did not reach the producer (while it runs, a producer that does not answer is
-shown and asked again). `kvpark bench` has its own: 0 every byte verified, 1 a wrong byte or
-outcome or a section that could not run (or its `--json-file` could not be written), 2 usage
-(a `--json-file` that cannot be written is found before the run), 130 interrupted.
+within its delivery grace; a file written in full whose confirm fails is 0, with a warning),
+or, asking several producers, at least one of them did not answer (the others' rows are printed
+all the same); 2 usage (bad arguments, a `--target` or KVPARK_TARGET that the client library
+would refuse: not a dialable host:port nor a gRPC target, unreadable token file, a TLS file
+that is not a PEM certificate or key, --tls-server-name without TLS, a bad line in the targets
+file, several --target for a command that takes one); 3 the call did not get through
+(unreachable, deadline, overloaded, auth, not a kvpark producer; for a fetch, a connection that
+broke, or a load timeout or a call shed (RESOURCE_EXHAUSTED, ABORTED, CANCELLED) before any
+chunk came back); 130 interrupted by Ctrl-C. A reader of stdout that goes away (`| head`) ends
+a command quietly with 0, as it ends `kvpark top` (a `fetch --out -` whose payload it cut short
+is 1, as above). `kvpark top`: 0 when ended by `q`, Ctrl-C or `--count`, except 3 when the last
+refresh of a `--count` run did not reach the producer (while it runs, a producer that does not
+answer is shown and asked again). `kvpark bench` has its own: 0 every byte verified, 1 a wrong
+byte or outcome or a section that could not run (or its `--json-file` could not be written), 2
+usage (a `--json-file` that cannot be written is found before the run), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         type=target_option,
         list_dest="targets_before" if top else "targets_after",
         default=default(os.environ.get(TARGET_ENV, DEFAULT_TARGET)),
-        help=f"producer address host:port (env {TARGET_ENV}; default {DEFAULT_TARGET}); "
-        "info and lookup take several",
+        help=f"producer address host:port, or a gRPC target such as dns:///host:port (env "
+        f"{TARGET_ENV}; default {DEFAULT_TARGET}); info and lookup take several",
     )
     conn.add_argument(
         "--token-file",

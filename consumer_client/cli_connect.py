@@ -1,7 +1,8 @@
 """Which producers a `kvpark` command talks to, and with which credentials.
 
 Targets come from `--target` (repeatable, before or after the command), `--targets-file` (one
-`host:port` per line) or, when neither is given, `KVPARK_TARGET` or the default. The token and
+target per line) or, when neither is given, `KVPARK_TARGET` or the default; each is a
+`host:port` or a gRPC target, as the client library takes them. The token and
 TLS files are read once into a `Connection`, which then opens clients for any number of
 targets with the same credentials. The TLS options alone are a `ClientTls`, which every client
 the CLI builds takes (`kvpark bench` too, with tokens of its own): the gRPC channel's
@@ -21,10 +22,10 @@ from typing import Any
 
 import grpc
 
-from kvpark.address import Address
 from kvpark.producer.config_values import holds_pem, seconds_argument
 from kvpark.tokens import TOKEN_EXPECTED, is_valid_token
 
+from ._channel import target_problem
 from ._errors import UsageError
 from ._sync import KVConsumer
 from .cli_snapshot import SnapshotReader
@@ -64,12 +65,17 @@ def positive_seconds(text: str) -> float:
 
 
 def dialable_target(text: str) -> str:
-    """The `host:port` a client can dial in `text`, as `Address` writes it; ValueError saying
-    what is wrong otherwise. `--target`, `KVPARK_TARGET` and `--targets-file` lines alike."""
-    address = Address.parse(text)
-    if address.port == 0:
-        raise ValueError("port 0 cannot be dialed")
-    return str(address)
+    """The target in `text` without the spaces around it, checked by the client library's own
+    rule (`target_problem`): the CLI takes every target a `KVConsumer` takes (a Compose v1
+    name such as `kvpark_producer_1:50051`, a fully qualified name ending in a dot, a gRPC
+    target such as `dns:///host:port`) and refuses the ones it refuses, with the library's
+    message, which names the value. ValueError otherwise. `--target`, `KVPARK_TARGET` and
+    `--targets-file` lines alike."""
+    target = text.strip()
+    problem = target_problem(target)
+    if problem is not None:
+        raise ValueError(problem)
+    return target
 
 
 def target_option(text: str) -> str:
@@ -79,7 +85,7 @@ def target_option(text: str) -> str:
     except ValueError as exc:
         # argparse checks the environment's value under the option's name: say where it is.
         origin = f" (the value of {TARGET_ENV})" if text == os.environ.get(TARGET_ENV) else ""
-        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}{origin}") from None
+        raise argparse.ArgumentTypeError(f"{exc}{origin}") from None
 
 
 def given_targets(args: argparse.Namespace) -> list[str]:
@@ -100,8 +106,8 @@ def targets_of(args: argparse.Namespace) -> list[str]:
 
 
 def read_targets_file(path: Path) -> list[str]:
-    """`host:port` per line; `#` starts a comment, blank lines are skipped. A line that is not
-    an address is a UsageError naming the file and line."""
+    """A target (`host:port`) per line; `#` starts a comment, blank lines are skipped. A line
+    that is not a target is a UsageError naming the file and line."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -116,7 +122,7 @@ def read_targets_file(path: Path) -> list[str]:
         try:
             targets.append(dialable_target(entry))
         except ValueError as exc:
-            raise UsageError(f"{path}:{number}: {exc}, got {entry!r}") from None
+            raise UsageError(f"{path}:{number}: {exc}") from None
     if not targets:
         raise UsageError(f"{path}: no targets in it (one host:port per line)")
     return targets

@@ -149,15 +149,15 @@ async def test_bad_targets_files_are_one_line_usage_errors(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        f"kvpark info: {bad}:3: expected 'HOST:PORT' or '[IPV6]:PORT' with a port in "
-        "0-65535, got 'prefill-1 5000'\n"
+        f"kvpark info: {bad}:3: expected 'host:port' or a gRPC target such as "
+        "'dns:///host:port' or 'unix:PATH', got 'prefill-1 5000'\n"
     )
 
     zero = tmp_path / "zero.txt"
     zero.write_text("127.0.0.1:0\n")
     assert await run_cli("lookup", "x", "--targets-file", str(zero)) == cli.EXIT_USAGE
     assert capsys.readouterr().err == (
-        f"kvpark lookup: {zero}:1: port 0 cannot be dialed, got '127.0.0.1:0'\n"
+        f"kvpark lookup: {zero}:1: '127.0.0.1:0': port 0 cannot be dialed\n"
     )
 
     empty = tmp_path / "empty.txt"

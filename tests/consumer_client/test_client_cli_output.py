@@ -30,8 +30,9 @@ from conftest import (
 )
 from consumer_support import in_thread, joined, park_sync, payload
 
-from kvpark.client import LoadResult, cli
+from kvpark.client import KVConsumer, LoadResult, cli
 from kvpark.client._errors import classify_status
+from kvpark.client.cli_connect import targets_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 
@@ -315,10 +316,13 @@ async def test_a_fetch_the_producer_calls_malformed_exits_1(
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("127.0.0.1:99999", "expected 'HOST:PORT'"),
-        ("127.0.0.1:", "expected 'HOST:PORT'"),
-        ("127.0.0.1:0", "port 0 cannot be dialed"),
-        ("not an address", "expected 'HOST:PORT'"),
+        ("127.0.0.1:99999", "expected 'host:port'"),
+        ("127.0.0.1:", "expected 'host:port'"),
+        ("127.0.0.1:0", "'127.0.0.1:0': port 0 cannot be dialed"),
+        ("not an address", "expected 'host:port'"),
+        ("prefill-0", "expected 'host:port'"),  # gRPC would dial port 443
+        ("http://prefill-0:50051", "expected 'host:port'"),  # gRPC would take it for a name
+        ("::1:50051", "'::1:50051': put an IPv6 address in brackets"),
     ],
 )
 def test_a_bad_target_is_a_usage_error(
@@ -345,6 +349,39 @@ def test_a_bad_target_is_a_usage_error(
 def test_targets_are_written_one_way() -> None:
     args = cli.build_parser().parse_args(["--target", " [::1]:50051", "info"])
     assert args.target == "[::1]:50051"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "kvpark_producer_1:50051",  # a Docker Compose v1 service name
+        "producer.kv.svc.cluster.local.:50051",  # fully qualified, with its trailing dot
+        "dns:///prefill-0:50051",
+    ],
+)
+def test_the_cli_takes_the_targets_the_client_takes(
+    target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rule: what `KVConsumer` dials, `--target`, KVPARK_TARGET and a targets file take."""
+    KVConsumer(target).close()  # the library takes it
+    parser = cli.build_parser()
+    assert parser.parse_args(["--target", target, "info"]).target == target
+    assert parser.parse_args(["lookup", "x", "--target", "h:1", "--target", target]).target == (
+        target
+    )
+    listed = tmp_path / "producers.txt"
+    listed.write_text(f"{target}  # the fleet\n")
+    args = parser.parse_args(["info", "--targets-file", str(listed)])
+    assert targets_of(args) == [target]
+    monkeypatch.setenv("KVPARK_TARGET", target)
+    assert cli.build_parser().parse_args(["info"]).target == target
+
+
+async def test_a_grpc_target_reaches_a_producer(capsys: pytest.CaptureFixture[str]) -> None:
+    async with running_producer() as server:
+        for target in (f"dns:///{server.target}", f"ipv4:{server.target}"):
+            assert await run_cli("--target", target, "--json", "info") == cli.EXIT_OK
+            assert json.loads(capsys.readouterr().out)["producer_epoch"] == server.epoch
 
 
 async def test_a_tls_key_without_its_certificate_is_a_usage_error(

@@ -497,6 +497,7 @@ def test_consumer_metrics_refuse_an_unknown_policy_and_a_second_registration() -
         (" producer:50051", "spaces around it"),
         ("http://producer:50051", "expected 'host:port'"),  # gRPC would take it for a name
         ("", "expected 'host:port'"),
+        ("::1:50051", "IPv6 address in brackets"),  # gRPC would take it for a name
     ],
 )
 def test_a_target_that_cannot_reach_a_producer_is_misuse(target: str, problem: str) -> None:
