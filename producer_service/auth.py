@@ -12,8 +12,8 @@ Answers: no or unknown token -> UNAUTHENTICATED; a valid token of the other role
 PERMISSION_DENIED. Neither answer depends on the id or says anything about it (the interceptor
 runs before the request is even read). Comparisons are constant-time (`hmac.compare_digest`)
 against every configured token, so timing does not tell which token was close. Health and
-reflection stay open so orchestrators can probe, with a bound on how many of their streams
-anyone may hold (kvpark.producer.open_streams).
+reflection stay open so orchestrators can probe (kvpark.producer.open_streams bounds how many
+of their calls anyone may hold).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any
 import grpc
 
 from .logs import LOGGER_NAME, RateLimitedWarnings
-from .open_streams import OpenStreams
 from .servicer import SERVICE_NAME
 
 PARK_ROLE = "park"
@@ -69,7 +68,6 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # Refused calls are logged (code and peer, never the token) at most once per peer per
         # 10 s; the rest are counted through `on_suppressed("auth")` (the producer's metric).
         self._warnings = RateLimitedWarnings(logging.getLogger(LOGGER_NAME), on_suppressed)
-        self._open_streams = OpenStreams()
         self._tokens: dict[str, bytes] = {}
         if park_token:
             self._tokens[PARK_ROLE] = park_token.encode()
@@ -133,8 +131,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         service, _, method = details.method.lstrip("/").partition("/")
-        if service != SERVICE_NAME:  # health and reflection: open, but only so many streams
-            return self._open_streams.bounded(await continuation(details))
+        if service != SERVICE_NAME:  # health and reflection: open (open_streams bounds them)
+            return await continuation(details)
         refusal = self.decide(method, details.invocation_metadata)
         if refusal is None:
             return await continuation(details)
@@ -151,9 +149,9 @@ def _refusing_handler(
     """A handler that refuses the call without reading its request. It is always registered
     as a stream-request kind, whatever the method's own shape: grpc runs a unary-request
     handler only once the request message has arrived, so a peer that sends headers and never
-    a message would hold one of `max_concurrent_rpcs` for as long as its connection lives. A
-    stream-request handler starts at once, and the wire is the same for every cardinality, so
-    the client still reads the status as usual."""
+    a message would hold one of grpc's concurrent-call slots for as long as its connection
+    lives (kvpark.producer.first_message). A stream-request handler starts at once, and the
+    wire is the same for every cardinality, so the client still reads the status as usual."""
 
     async def refuse(request_iterator: Any, context: Any) -> None:
         peer = context.peer()

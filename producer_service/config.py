@@ -214,7 +214,12 @@ class ProducerConfig:
     )
     max_concurrent_rpcs: int = field(
         default=1000,
-        metadata=_key(_COUNT, "calls served at once; more are refused RESOURCE_EXHAUSTED"),
+        metadata=_key(
+            _COUNT,
+            "kvpark calls (Park, Fetch, ...) served at once; more are refused "
+            "RESOURCE_EXHAUSTED (health and reflection have slots of their own, so a busy "
+            "producer still answers its probes)",
+        ),
     )
     max_connections: int = field(
         default=1000,

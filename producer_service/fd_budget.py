@@ -4,10 +4,11 @@ checked at start-up rather than discovered when the next client cannot connect.
 Each part the configuration turns on has a bound: a descriptor per client connection
 (`max_connections`, plus a margin for the pool, logs and grpc's own pipes and epoll); the
 metrics endpoint's listener and the connections it serves at once; the data listener's kept
-connections and handshakes, and one connection per TCP Fetch in flight (each a call, so at
-most `max_concurrent_rpcs`); the shm socket's connections and its lends, each of which holds a
-descriptor for its mapping. A soft RLIMIT_NOFILE below their sum
-would let silent or leaked connections, or lent buffers, lock every new client out with
+connections and handshakes, and one connection per TCP Fetch in flight (each a kvpark call,
+so at most `max_concurrent_rpcs`: the slots grpc keeps beyond them are for health and
+reflection, which open no data connection); the shm socket's connections and its lends, each
+of which holds a descriptor for its mapping. A soft RLIMIT_NOFILE below their sum would let
+silent or leaked connections, or lent buffers, lock every new client out with
 EMFILE while grpc keeps retrying `accept`. The soft limit is raised to what is needed when the
 hard limit allows it (an unprivileged process may), and a hard limit that is too low is a
 configuration error naming each part.

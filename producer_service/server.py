@@ -27,6 +27,7 @@ from kvpark.pb import kvpark_pb2 as pb
 from kvpark.version import __version__
 
 from .auth import TokenAuthInterceptor
+from .call_limit import CallLimit
 from .config import MESSAGE_FRAMING_BYTES, ProducerConfig
 from .config_values import ConfigError
 from .credentials import Credentials, load_credentials
@@ -38,6 +39,7 @@ from .listen_names import check_every_address_free
 from .logs import LOGGER_NAME
 from .lot import Clock, Lot, LotSettings
 from .metrics import ProducerMetrics
+from .open_streams import RESERVED_SLOTS, OpenStreams
 from .pool import HostPool
 from .servicer import SERVICE_NAME, KVProducerServicer, method_handlers
 from .shm_lending import DEFAULT_MAX_LENDS, ShmLendingServer
@@ -150,6 +152,13 @@ class ProducerServer:
             advertise_address=config.advertise_address,
             data_threads=self.data_threads,
         )
+        # The kvpark calls served at once, counted by kvpark (call_limit.py): grpc's own cap
+        # would count health calls too, and a busy producer would refuse its probes.
+        self.calls = CallLimit(
+            config.max_concurrent_rpcs,
+            f"the producer serves at most max_concurrent_rpcs ({config.max_concurrent_rpcs}) "
+            "kvpark calls at once; retry when one has ended",
+        )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -173,14 +182,19 @@ class ProducerServer:
                 "(ulimit -Hn) leaves no room for more",
                 self._shm_lends, DEFAULT_MAX_LENDS,
             )  # fmt: skip
-        interceptors = [self._auth] if self._auth else []
+        # Health and reflection are bounded with or without tokens: their calls live in the
+        # reserve grpc's cap keeps beyond the kvpark calls.
+        interceptors: list[grpc.aio.ServerInterceptor] = [OpenStreams()]
+        interceptors += [self._auth] if self._auth else []
         self._warn_half_protected(interceptors)
         server = grpc.aio.server(
             options=_grpc_options(self.config),
             interceptors=interceptors,
-            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+            # A backstop only: the kvpark calls are held to max_concurrent_rpcs by self.calls,
+            # so whatever they do, the reserve is left for health and reflection.
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs + RESERVED_SLOTS,
         )
-        server.add_generic_rpc_handlers([method_handlers(self.servicer)])
+        server.add_generic_rpc_handlers([self.calls.service(method_handlers(self.servicer))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

@@ -13,7 +13,8 @@ from h2_headers import HeadersOnlyClient
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
-from kvpark.producer.open_streams import FIRST_MESSAGE_S, OPEN_STREAMS
+from kvpark.producer.first_message import FIRST_MESSAGE_S
+from kvpark.producer.open_streams import OPEN_STREAMS
 
 PARK_TOKEN = "park-secret-5c1e08"
 FETCH_TOKEN = "fetch-secret-93ad27"
