@@ -127,6 +127,22 @@ async def test_exit_codes_for_usage_and_unreachable(capsys: pytest.CaptureFixtur
     )
 
 
+def fetch_into_fifo(
+    target: str, kid: str, rpc_timeout: str, tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """`kvpark fetch` of `kid`'s 4 chunks writing into a FIFO: it holds the fetch in its file
+    writing (the load is over) until the test reads."""
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    argv = ["--target", target, "--rpc-timeout", rpc_timeout, "--json"]
+    fetch = subprocess.Popen(
+        [*installed_kvpark(), *argv, "fetch", kid, "--chunks", "4", "--out", str(fifo)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return fetch, fifo
+
+
 def test_installed_command_against_a_producer_process(
     producer_process: Callable[..., ProducerProcess], tmp_path: Path
 ) -> None:
@@ -162,14 +178,7 @@ def test_a_fetch_whose_confirm_fails_still_delivers_its_file(
     producer = producer_process(delivery_grace_s=0.2)
     chunks = payload(4, 256 * 1024)  # more than a pipe holds: the writer waits for our reads
     park_sync(producer.target, "slow", chunks, total=4)
-    fifo = tmp_path / "out"
-    os.mkfifo(fifo)
-    argv = ["--target", producer.target, "--rpc-timeout", "5", "--json"]
-    fetch = subprocess.Popen(
-        [*installed_kvpark(), *argv, "fetch", "slow", "--chunks", "4", "--out", str(fifo)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    fetch, fifo = fetch_into_fifo(producer.target, "slow", "5", tmp_path)
     try:
         with open(fifo, "rb") as reader:
             first = reader.read(1)  # the load is over: the fetch is writing its file
@@ -202,14 +211,7 @@ def test_a_fetch_confirms_under_the_rpc_timeout(
     producer = producer_process()
     chunks = payload(4, 256 * 1024)  # more than a pipe holds: the writer waits for our reads
     park_sync(producer.target, "frozen", chunks, total=4)
-    fifo = tmp_path / "out"
-    os.mkfifo(fifo)
-    argv = ["--target", producer.target, "--rpc-timeout", "0.5", "--json"]
-    fetch = subprocess.Popen(
-        [*installed_kvpark(), *argv, "fetch", "frozen", "--chunks", "4", "--out", str(fifo)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    fetch, fifo = fetch_into_fifo(producer.target, "frozen", "0.5", tmp_path)
     try:
         with open(fifo, "rb") as reader:
             first = reader.read(1)  # the load is over: the fetch is writing its file
