@@ -14,13 +14,17 @@ would silently do nothing); leaving the block, `stop()`, or closing the client e
 
 Each round extends every id's lease to at least `extend_s` from now (0 = the producer's
 `unbound_store_timeout_s`); the default interval is a third of the shortest lease the producer
-reported in the last round, so two rounds may fail before a lease is at risk. An id the
+reported in the last round, so two rounds may fail before a lease is at risk. Only leases a
+round can extend count: a DELIVERED id's grace only shrinks, and following it would spin the
+loop ever faster for nothing. An id the
 producer reports TOMBSTONED (consumed, reaped, released) is dropped from the set and recorded in
 `ended` with its reason — renewing it cannot help.
 Errors never escape the background loop: they are counted, kept in `last_error` and logged
 once per change, and the loop keeps trying (the producer may be restarting). Stopping waits for
-the loop; a KeepAlive call in flight is bounded by the interval, so a round ends within its own
-deadline even against a producer that accepts connections and never answers.
+the loop; a KeepAlive call in flight is bounded by the interval (but given at least a second,
+so a short lease never leaves a large set too little time to be renewed: a round that fails
+learns nothing, and would keep the short deadline that failed it), so a round ends within its
+own deadline even against a producer that accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from kvpark.durations import MAX_SECONDS
 
 from ._core import extend_seconds, valid_id
 from ._errors import ClientClosedError, KVParkError, UsageError
-from ._models import IdStatus
+from ._models import IdStatus, State
 from ._result import Reason
 
 if TYPE_CHECKING:
@@ -51,8 +55,13 @@ log = logging.getLogger("kvpark.client")
 _UNKNOWN_LEASE_INTERVAL_S = 1.0
 # Never hammer the producer, even with a tiny lease.
 _MIN_INTERVAL_S = 0.05
-# One KeepAlive call may take at most this long (and at most one interval).
+# One KeepAlive call may take at most this long, and at most one interval but never less than
+# _MIN_CALL_S.
 _MAX_CALL_S = 5.0
+_MIN_CALL_S = 1.0
+# The states whose lease a KeepAlive round extends: a parked id's lease, and the intent of an id
+# not committed yet (UNKNOWN with time left).
+_EXTENDABLE = (State.PARKED, State.UNKNOWN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +138,9 @@ class _KeepAliveState:
         self.errors += 1
 
     def call_timeout(self, info: Any) -> float:
-        """Deadline of one KeepAlive call: never longer than a round, the interval worked out
-        from the leases included."""
-        return min(self.interval(info), _MAX_CALL_S)
+        """Deadline of one KeepAlive call: the interval worked out from the leases, within
+        [_MIN_CALL_S, _MAX_CALL_S]."""
+        return min(max(self.interval(info), _MIN_CALL_S), _MAX_CALL_S)
 
     def interval(self, info: Any) -> float:
         """Seconds until the next round, asked after a round: a third of the shortest lease
@@ -140,7 +149,9 @@ class _KeepAliveState:
         if self.interval_s is not None:
             return self.interval_s
         with self._lock:
-            reported = [s.lease_remaining_s for s in self.last_states.values()]
+            reported = [
+                s.lease_remaining_s for s in self.last_states.values() if s.state in _EXTENDABLE
+            ]
         leases = [lease for lease in reported if lease > 0]
         if self.extend_s:
             leases.append(self.extend_s)
