@@ -21,10 +21,11 @@ producer reports TOMBSTONED (consumed, reaped, released) is dropped from the set
 `ended` with its reason — renewing it cannot help.
 Errors never escape the background loop: they are counted, kept in `last_error` and logged
 once per change, and the loop keeps trying (the producer may be restarting). Stopping waits for
-the loop; a KeepAlive call in flight is bounded by the interval (but given at least a second,
-so a short lease never leaves a large set too little time to be renewed: a round that fails
-learns nothing, and would keep the short deadline that failed it), so a round ends within its
-own deadline even against a producer that accepts connections and never answers.
+the loop; a KeepAlive call in flight is bounded by the interval, so a round ends within its own
+deadline even against a producer that accepts connections and never answers. After a failed
+round the leases last reported are stale, so the next round is paced by the lease a round
+grants instead: a short lease (an id at its `max_lease_s` cap) that made a round too short to
+renew a large set does not keep every later round that short.
 """
 
 from __future__ import annotations
@@ -55,10 +56,8 @@ log = logging.getLogger("kvpark.client")
 _UNKNOWN_LEASE_INTERVAL_S = 1.0
 # Never hammer the producer, even with a tiny lease.
 _MIN_INTERVAL_S = 0.05
-# One KeepAlive call may take at most this long, and at most one interval but never less than
-# _MIN_CALL_S.
+# One KeepAlive call may take at most this long (and at most one interval).
 _MAX_CALL_S = 5.0
-_MIN_CALL_S = 1.0
 # The states whose lease a KeepAlive round extends: a parked id's lease, and the intent of an id
 # not committed yet (UNKNOWN with time left).
 _EXTENDABLE = (State.PARKED, State.UNKNOWN)
@@ -138,19 +137,22 @@ class _KeepAliveState:
         self.errors += 1
 
     def call_timeout(self, info: Any) -> float:
-        """Deadline of one KeepAlive call: the interval worked out from the leases, within
-        [_MIN_CALL_S, _MAX_CALL_S]."""
-        return min(max(self.interval(info), _MIN_CALL_S), _MAX_CALL_S)
+        """Deadline of one KeepAlive call: never longer than a round, the interval worked out
+        from the leases included."""
+        return min(self.interval(info), _MAX_CALL_S)
 
     def interval(self, info: Any) -> float:
         """Seconds until the next round, asked after a round: a third of the shortest lease
         the producer just reported (or of `extend_s`, or of its unbound_store_timeout_s from
-        ServerInfo), so the loop follows real leases without asking for anything else."""
+        ServerInfo), so the loop follows real leases without asking for anything else. After
+        a failed round nothing was just reported."""
         if self.interval_s is not None:
             return self.interval_s
         with self._lock:
             reported = [
-                s.lease_remaining_s for s in self.last_states.values() if s.state in _EXTENDABLE
+                s.lease_remaining_s
+                for s in self.last_states.values()
+                if s.state in _EXTENDABLE and self.last_error is None
             ]
         leases = [lease for lease in reported if lease > 0]
         if self.extend_s:

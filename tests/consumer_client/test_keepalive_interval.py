@@ -6,14 +6,16 @@
 - The default interval follows only the leases a round extends. A DELIVERED id's grace only
   shrinks: followed, it would drive the rounds to the 50 ms floor, every round's deadline with
   them, and a large set whose round no longer fits that deadline would fail every round from
-  then on, its ids reaped.
+  then on, its ids reaped. For the same reason a failed round, which reports nothing, leaves
+  the next round paced by the lease a round grants, not by the short leases last reported.
 """
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
-from kvpark import AsyncKVConsumer, IdStatus, KVConsumer, State, UsageError
+from kvpark import AsyncKVConsumer, IdStatus, KVConsumer, State, TransportError, UsageError
 from kvpark.client.keepalive import _KeepAliveState
 from kvpark.durations import MAX_SECONDS
 
@@ -52,12 +54,18 @@ def test_a_delivered_grace_does_not_set_the_interval() -> None:
     assert state.interval(None) == pytest.approx(9.0)  # a third of the intent's 27 s
 
 
-def test_a_short_lease_leaves_a_round_at_least_a_second() -> None:
+def test_after_a_failed_round_the_pace_is_the_lease_a_round_grants() -> None:
     # A parked id at its max_lease_s cap: its lease cannot grow, and the rounds speed up.
-    state = _KeepAliveState(["capped"], interval_s=None, extend_s=30.0)
-    state.record([_status("capped", State.PARKED, 0.09)])
-    assert state.interval(None) == pytest.approx(0.05)
-    assert state.call_timeout(None) == 1.0
-    # A long lease still caps one call at 5 s, so stopping never waits long.
-    state.record([_status("capped", State.PARKED, 600.0)])
+    state = _KeepAliveState(["capped", "other"], interval_s=None, extend_s=30.0)
+    state.record([_status("capped", State.PARKED, 0.09), _status("other", State.PARKED, 30.0)])
+    assert state.call_timeout(None) == pytest.approx(0.05)
+    # A round that short failed (too many ids to renew in 50 ms): the leases it would have
+    # reported are unknown, and the next round gets the time a round grants.
+    state.record_error(
+        TransportError("KeepAlive: deadline exceeded", code=grpc.StatusCode.DEADLINE_EXCEEDED)
+    )
+    assert state.interval(None) == pytest.approx(10.0)
     assert state.call_timeout(None) == 5.0
+    # Answered again, the reported leases set the pace again.
+    state.record([_status("capped", State.PARKED, 0.06), _status("other", State.PARKED, 30.0)])
+    assert state.interval(None) == pytest.approx(0.05)
