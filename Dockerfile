@@ -58,13 +58,17 @@ LABEL org.opencontainers.image.title="kvpark" \
 USER kvpark
 WORKDIR /home/kvpark
 # 50051: gRPC (KVProducer, grpc.health.v1, reflection); 50052: the zero-copy TCP data port
-# when data_listen is set (compose and Kubernetes use this one); 9400: Prometheus /metrics
+# when data_listen is set (compose and Kubernetes use this one); 9400: Prometheus /metrics.
+# 127.0.0.1:50053 (not exposed): the health port the image's health check dials.
 EXPOSE 50051 50052 9400
 # The producer's addresses are set in the environment, not on its command line: `docker run -e
-# KVPARK_LISTEN=...` then moves the producer and its health probe together (the probe dials
-# KVPARK_LISTEN), and `-e KVPARK_METRICS_LISTEN=` turns metrics off. Flags would win over both.
+# KVPARK_LISTEN=...` moves the producer, `-e KVPARK_METRICS_LISTEN=` turns metrics off, and the
+# health check reads the same variables (it dials KVPARK_HEALTH_LISTEN, a port outside the
+# gRPC port's connection cap, so a producer with every connection taken stays healthy). Flags
+# would win over the environment and leave the probe behind.
 ENV KVPARK_LISTEN=0.0.0.0:50051 \
-    KVPARK_METRICS_LISTEN=0.0.0.0:9400
+    KVPARK_METRICS_LISTEN=0.0.0.0:9400 \
+    KVPARK_HEALTH_LISTEN=127.0.0.1:50053
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-m", "kvpark.producer.healthcheck", "--timeout", "3"]
 CMD ["kvpark-producer"]

@@ -122,6 +122,14 @@ class ProducerConfig:
         default="127.0.0.1:9400",
         metadata=_key(_OPTIONAL_ADDRESS, "Prometheus /metrics address; empty disables"),
     )
+    health_listen: str = field(
+        default="",
+        metadata=_key(
+            _OPTIONAL_ADDRESS,
+            "loopback address of a plaintext gRPC health service outside max_connections, "
+            "for liveness probes; empty disables",
+        ),
+    )
     data_listen: str = field(
         default="",
         metadata=_key(
@@ -313,7 +321,7 @@ class ProducerConfig:
                 f"({self.unbound_store_timeout_s!r})",
                 keys=("max_lease_s", "unbound_store_timeout_s"),
             )
-        self._check_metrics_listen()
+        self._check_listens()
         self._check_tls()
         for role in ("park", "fetch"):
             if getattr(self, f"{role}_token") is not None and getattr(self, f"{role}_token_file"):
@@ -330,12 +338,6 @@ class ProducerConfig:
                 f"data_listen: {self.data_listen!r} is not a loopback address and neither "
                 "TLS nor tokens are set; configure TLS or tokens, or set allow_insecure=true",
                 keys=("data_listen", "allow_insecure"),
-            )
-        if data is not None and _same_socket(data, self.listen_address):
-            raise ConfigError(
-                f"data_listen ({self.data_listen!r}) must not use the same address as "
-                f"listen ({self.listen!r})",
-                keys=("data_listen", "listen"),
             )
         self._check_data_is_reachable()
         if self.is_insecure_exposed and not self.allow_insecure:
@@ -382,20 +384,30 @@ class ProducerConfig:
                 keys=("data_listen", "advertise_address"),
             )
 
-    def _check_metrics_listen(self) -> None:
-        metrics = self.metrics_address
-        if metrics is None:
-            return
-        others = [("listen", self.listen, self.listen_address)]
-        if self.data_address is not None:
-            others.append(("data_listen", self.data_listen, self.data_address))
-        for key, value, address in others:
-            if _same_socket(metrics, address):
-                raise ConfigError(
-                    f"metrics_listen ({self.metrics_listen!r}) must not use the same address "
-                    f"as {key} ({value!r})",
-                    keys=("metrics_listen", key),
-                )
+    def _check_listens(self) -> None:
+        """Every port needs an address of its own, and the health port, which serves without
+        TLS or tokens, a loopback one."""
+        health_port = self.health_address
+        if health_port is not None and not health_port.is_loopback:
+            raise ConfigError(
+                f"health_listen: {self.health_listen!r} is not a loopback address; the health "
+                "port serves without TLS or tokens, for probes on this host (e.g. "
+                "127.0.0.1:50053)",
+                keys=("health_listen",),
+            )
+        named = [("listen", self.listen, self.listen_address)]
+        for key in ("data_listen", "metrics_listen", "health_listen"):
+            value = getattr(self, key)
+            if value:
+                named.append((key, value, Address.parse(value)))
+        for i, (key, value, address) in enumerate(named):
+            for other_key, other_value, other in named[:i]:
+                if _same_socket(address, other):
+                    raise ConfigError(
+                        f"{key} ({value!r}) must not use the same address as {other_key} "
+                        f"({other_value!r})",
+                        keys=(key, other_key),
+                    )
 
     def _check_tls(self) -> None:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -459,6 +471,11 @@ class ProducerConfig:
     def metrics_address(self) -> Address | None:
         """`metrics_listen` parsed, or None when disabled."""
         return Address.parse(self.metrics_listen) if self.metrics_listen else None
+
+    @property
+    def health_address(self) -> Address | None:
+        """`health_listen` parsed, or None when disabled."""
+        return Address.parse(self.health_listen) if self.health_listen else None
 
     def as_dict(self, *, redact: bool = True) -> dict[str, object]:
         """Every key and its value; token values are replaced by '***' unless `redact=False`."""

@@ -3,15 +3,15 @@ checked at start-up rather than discovered when the next client cannot connect.
 
 Each part the configuration turns on has a bound: a descriptor per client connection
 (`max_connections`, plus a margin for the pool, logs and grpc's own pipes and epoll); the
-metrics endpoint's listener and the connections it serves at once; the data listener's kept
-connections and handshakes, and one connection per TCP Fetch in flight (each a kvpark call,
-so at most `max_concurrent_rpcs`: the slots grpc keeps beyond them are for health and
-reflection, which open no data connection); the shm socket's connections and its lends, each
-of which holds a descriptor for its mapping. A soft RLIMIT_NOFILE below their sum would let
-silent or leaked connections, or lent buffers, lock every new client out with
-EMFILE while grpc keeps retrying `accept`. The soft limit is raised to what is needed when the
-hard limit allows it (an unprivileged process may), and a hard limit that is too low is a
-configuration error naming each part.
+listeners of the metrics endpoint and of the health port, and the connections each serves at
+once; the data listener's kept connections and handshakes, and one connection per TCP Fetch
+in flight (each a kvpark call, so at most `max_concurrent_rpcs`: the slots grpc keeps beyond
+them are for health and reflection, which open no data connection); the shm socket's
+connections and its lends, each of which holds a descriptor for its mapping. A soft
+RLIMIT_NOFILE below their sum would let silent or leaked connections, or lent buffers, lock
+every new client out with EMFILE while grpc keeps retrying `accept`. The soft limit is raised
+to what is needed when the hard limit allows it (an unprivileged process may), and a hard
+limit that is too low is a configuration error naming each part.
 
 The shm socket's lends are the one part sized to fit: up to 4,096, fewer where the hard limit
 leaves less room (4,096 is a common hard limit outside containers, and the defaults with both
@@ -23,7 +23,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Mapping
 
-from . import data_listener, metrics, shm_lending
+from . import data_listener, health_listener, metrics, shm_lending
 from .config import ProducerConfig
 from .config_values import ConfigError
 
@@ -41,6 +41,8 @@ def descriptors_needed(
     parts = {"max_connections": config.max_connections + MARGIN}
     if config.metrics_address is not None:
         parts["metrics_listen"] = 1 + metrics.METRICS_MAX_CONNECTIONS
+    if config.health_address is not None:
+        parts["health_listen"] = 1 + health_listener.MAX_CONNECTIONS
     if config.data_address is not None:
         parts["data_listen"] = data_listener.DESCRIPTORS + config.max_concurrent_rpcs
     if config.shm_socket:

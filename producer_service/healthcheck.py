@@ -7,13 +7,17 @@ Used by the image's ``HEALTHCHECK`` and by compose::
     python -m kvpark.producer.healthcheck [--target 127.0.0.1:50051] [--timeout 2] [--service NAME]
         [--tls] [--ca-file PEM] [--server-name NAME] [--client-cert PEM --client-key PEM]
 
-Without ``--target`` the address comes from ``KVPARK_LISTEN`` when that is set (a wildcard host
-such as ``0.0.0.0`` or ``[::]`` is probed on loopback), else ``127.0.0.1:50051``. The probe reads
-that one variable, not the producer's whole configuration: a probe must not call a serving
-producer unhealthy for settings it cannot see (flags) or for a check that is the producer's to
-make. A producer whose ``listen`` comes from flags or a ``KVPARK_CONFIG`` file needs ``--target``.
+Without ``--target`` the probe dials the producer's health port, ``KVPARK_HEALTH_LISTEN``, when
+that is set: plaintext, and outside the gRPC port's connection cap, so a producer whose
+connections are all taken still passes (see health_listener.py). Else it dials ``KVPARK_LISTEN``
+(a wildcard host such as ``0.0.0.0`` or ``[::]`` is probed on loopback), else
+``127.0.0.1:50051``. The probe reads those variables, not the producer's whole configuration: a
+probe must not call a serving producer unhealthy for settings it cannot see (flags) or for a
+check that is the producer's to make. A producer whose addresses come from flags or a
+``KVPARK_CONFIG`` file needs ``--target``.
 
-Health is served without tokens, so none is needed. A producer serving TLS needs a TLS probe:
+Health is served without tokens, so none is needed. A producer serving TLS needs a TLS probe
+on its gRPC port (the health port is always plaintext):
 ``--tls`` (implied by ``--ca-file``, and by ``KVPARK_TLS_CERT_FILE`` in the environment, whose
 certificate is then trusted by default: right for a self-signed one), ``--server-name`` when the
 certificate does not name the probed host, and a client certificate when the producer requires
@@ -105,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--target",
         default=None,
-        help=f"host:port to probe (default: from KVPARK_LISTEN, else {DEFAULT_TARGET})",
+        help="host:port to probe (default: KVPARK_HEALTH_LISTEN in plaintext, else "
+        f"KVPARK_LISTEN, else {DEFAULT_TARGET})",
     )
     parser.add_argument(
         "--timeout",
@@ -135,9 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.client_cert) != bool(args.client_key):
         parser.error("--client-cert and --client-key go together")
-    target = args.target or default_target(os.environ.get("KVPARK_LISTEN"))
+    health_listen = os.environ.get("KVPARK_HEALTH_LISTEN")
     env_cert = os.environ.get("KVPARK_TLS_CERT_FILE") or None
-    tls = bool(args.tls or args.ca_file or args.client_cert or env_cert)
+    tls_flags = bool(args.tls or args.ca_file or args.client_cert)
+    if args.target is None and health_listen:
+        if tls_flags or args.server_name:
+            parser.error(
+                "the health port (KVPARK_HEALTH_LISTEN) is plaintext: TLS options need "
+                "--target, the producer's gRPC port"
+            )
+        target, tls = default_target(health_listen), False
+    else:
+        target = args.target or default_target(os.environ.get("KVPARK_LISTEN"))
+        tls = tls_flags or env_cert is not None
     ca_file = args.ca_file or (env_cert if tls else None)
     ok, message = check(
         target,

@@ -34,6 +34,7 @@ from .credentials import Credentials, load_credentials
 from .data_listener import DataListener
 from .data_threads import DataThreads
 from .fd_budget import check_fd_budget, descriptors_needed, lends_within_limit
+from .health_listener import HealthListener
 from .idle_trim import IdleHeapTrim
 from .listen_names import check_every_address_free
 from .logs import LOGGER_NAME
@@ -165,6 +166,8 @@ class ProducerServer:
         self.idle_trim = IdleHeapTrim(clock=clock)
         self.port = 0
         self.metrics_port = 0
+        self._health_listener: HealthListener | None = None
+        self.health_port = 0
         self.data: DataListener | None = None
         self.data_port = 0
         self._data_address = ""
@@ -217,12 +220,14 @@ class ProducerServer:
                     lambda: self.metrics.serve(metrics_address.host, metrics_address.port),
                 )
             self._start_transports()
+            await self._start_health_listener()
             self.port = self._bind(server)
             await server.start()
         except BaseException:
             # A start that fails part-way leaves nothing listening (an embedding process goes
             # on, and `shutdown` has no server to stop).
             self._stop_side_services()
+            await self._stop_health_listener()
             raise
         self._server = server
         for service in ("", SERVICE_NAME):
@@ -235,6 +240,7 @@ class ProducerServer:
                     "listen": self.config.listen,
                     "port": self.port,
                     "metrics_port": self.metrics_port,
+                    "health_port": self.health_port,
                     "epoch": self.epoch,
                     "pool_bytes": self.pool.pool_bytes,
                     "version": __version__,
@@ -434,7 +440,20 @@ class ProducerServer:
         if self._reaper is not None:
             self._reaper.cancel()
         self._stop_side_services()
+        # Last: a probe during the drain hears NOT_SERVING, not a refused connection.
+        await self._stop_health_listener()
         self._stopped.set()
+
+    async def _start_health_listener(self) -> None:
+        address = self.config.health_address
+        if address is not None:
+            self._health_listener = HealthListener(address, self.health)
+            self.health_port = await self._health_listener.start()
+
+    async def _stop_health_listener(self) -> None:
+        listener, self._health_listener = self._health_listener, None
+        if listener is not None:
+            await listener.stop()
 
     def _stop_side_services(self) -> None:
         """Stops what runs beside the gRPC server: the out-of-band transports, the data

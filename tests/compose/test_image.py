@@ -1,6 +1,7 @@
 """The producer image run on its own, as `docker run` users run it: its addresses come from the
-environment, so one `-e KVPARK_LISTEN=...` moves the producer and its health probe (which dials
-KVPARK_LISTEN) together, and `-e KVPARK_METRICS_LISTEN=` turns metrics off."""
+environment, which its health probe reads too: `-e KVPARK_LISTEN=...` moves the producer,
+`-e KVPARK_HEALTH_LISTEN=...` moves its health port and the probe with it, and
+`-e KVPARK_METRICS_LISTEN=` turns metrics off."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_the_environment_moves_the_producer_and_its_probe_together(kvpark_image:
     docker(
         "run", "-d", "--name", name, "--network", "none",
         "-e", "KVPARK_LISTEN=0.0.0.0:6000",
+        "-e", "KVPARK_HEALTH_LISTEN=127.0.0.1:6001",
         "-e", "KVPARK_METRICS_LISTEN=",
         "-e", "KVPARK_POOL_BYTES=64MiB",
         # The tokens only satisfy the non-loopback rule; nothing reaches this producer.
@@ -45,12 +47,13 @@ def test_the_environment_moves_the_producer_and_its_probe_together(kvpark_image:
     try:
         line = serving_line(name)
         assert "port=6000" in line and "metrics_port=0 " in line, line
+        assert "health_port=6001" in line, line
         # What the image's HEALTHCHECK runs, run now rather than at its next interval.
         probe = docker(
             "exec", name, "python", "-m", "kvpark.producer.healthcheck", "--timeout", "3",
             check=False,
         )  # fmt: skip
         assert probe.returncode == 0, probe.stdout + probe.stderr
-        assert "127.0.0.1:6000" in probe.stdout and "SERVING" in probe.stdout, probe.stdout
+        assert "127.0.0.1:6001" in probe.stdout and "SERVING" in probe.stdout, probe.stdout
     finally:
         docker("rm", "-f", name, check=False)

@@ -32,6 +32,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from kvpark import ConsumerMetrics
+from kvpark.address import Address
 from kvpark.producer.config import KEYS
 from kvpark.producer.config_sources import load_config
 from kvpark.producer.config_values import ConfigError
@@ -417,12 +418,17 @@ def test_grace_period_covers_the_producers_drain(base: list[Obj]) -> None:
     )
 
 
+def _dials_the_health_port(producer: Obj, flags: dict[str, str]) -> bool:
+    """The health check without --target dials KVPARK_HEALTH_LISTEN when that is set."""
+    return "--target" not in flags and bool(key_value(producer, "health_listen"))
+
+
 def test_probes_run_the_health_check_over_the_producers_tls(base: list[Obj]) -> None:
     workload, producer = prefill(base)
     spec = pod_spec(workload)
     serves_tls = key_value(producer, "tls_cert_file") is not None
     requires_client_cert = key_value(producer, "tls_client_ca_file") is not None
-    for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+    for kind in ("readinessProbe", "startupProbe"):
         probe = producer.get(kind)
         assert probe, f"the producer needs a {kind}"
         if "grpc" in probe:
@@ -432,6 +438,9 @@ def test_probes_run_the_health_check_over_the_producers_tls(base: list[Obj]) -> 
         argv = probe["exec"]["command"]
         assert argv[:3] == ["python", "-m", "kvpark.producer.healthcheck"], argv
         flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+        assert not _dials_the_health_port(producer, flags), (
+            f"{kind}: would dial the plaintext health port, not the TLS gRPC port"
+        )
         if "--target" in flags:
             assert port_of(flags["--target"]) == port_of(key_value(producer, "listen") or "")
         assert float(flags.get("--timeout", 2)) < probe.get("timeoutSeconds", 1), (
@@ -446,6 +455,26 @@ def test_probes_run_the_health_check_over_the_producers_tls(base: list[Obj]) -> 
                 volume, relative = volume_mounted_at(producer, spec, flags[flag])
                 name, key = secret_key_for(volume, relative)
                 assert key in secret_keys(base, name), f"{kind}: {flag} {flags[flag]} is missing"
+
+
+def test_liveness_dials_the_health_port_outside_the_connection_cap(base: list[Obj]) -> None:
+    """grpc counts a probe's connection against max_connections: through the gRPC port, a
+    producer with every connection taken would fail liveness and be restarted, losing every
+    parked request. The health port has connections of its own."""
+    _, producer = prefill(base)
+    health_listen = key_value(producer, "health_listen")
+    assert health_listen, "the producer needs KVPARK_HEALTH_LISTEN for its liveness probe"
+    assert Address.parse(health_listen).is_loopback
+    probe = producer["livenessProbe"]
+    argv = probe["exec"]["command"]
+    assert argv[:3] == ["python", "-m", "kvpark.producer.healthcheck"], argv
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert _dials_the_health_port(producer, flags), argv
+    # The health port is plaintext: the check refuses TLS options without --target.
+    assert not {"--tls", "--ca-file", "--client-cert", "--client-key", "--server-name"} & set(
+        flags
+    ), argv
+    assert float(flags.get("--timeout", 2)) < probe.get("timeoutSeconds", 1)
 
 
 def test_tokens_and_tls_files_come_from_secret_volumes(base: list[Obj]) -> None:
