@@ -728,6 +728,23 @@ def test_dashboard_covers_producer_and_consumer_metrics() -> None:
     assert wanted <= used, f"no panel shows {sorted(wanted - used)}"
 
 
+def test_dashboard_panels_sit_under_the_row_of_their_side() -> None:
+    """A panel of the decode workers' series (kvpark_client_*) sits under the consumers' row,
+    a panel of the producers' series under a producer row: an operator reads a row as one
+    side's story."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    row = ""
+    for panel in sorted(dashboard["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"])):
+        if panel["type"] == "row":
+            row = panel["title"]
+            continue
+        names = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+        client = {name.startswith("kvpark_client_") for name in names}
+        assert len(client) == 1, f"{panel['title']!r} mixes producer and consumer series"
+        side = "Consumers" if client == {True} else "Producer"
+        assert row.startswith(side), f"{panel['title']!r} sits under {row!r}"
+
+
 # --------------------------------------------------------------------------------------- docs
 def test_deployment_doc_names_every_manifest() -> None:
     doc = DEPLOYMENT_DOC.read_text()
