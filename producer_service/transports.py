@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kvpark import wire
 from kvpark.pb import kvpark_pb2 as pb
@@ -271,7 +272,9 @@ class ShmStream:
         self._threads = threads
         self._stall_s = stall_s
         self._on_stall = on_stall
-        self._target = np.frombuffer(target, dtype=np.uint8)
+        # The lent range, as an array over the producer's mapping: while it lives the mapping
+        # cannot be closed (an exported buffer), so `close` drops it.
+        self._target: npt.NDArray[np.uint8] | None = np.frombuffer(target, dtype=np.uint8)
         self._pos = 0
         self._limit = limit
         self.sent_bytes = 0
@@ -310,6 +313,7 @@ class ShmStream:
 
     def _copy(self, chunks: Sequence[ReadyChunk], pos: int) -> None:
         target = self._target
+        assert target is not None, "copy after close"
         for step in chunks:
             for view in step.views:
                 n = len(view)
@@ -318,4 +322,8 @@ class ShmStream:
                 pos += n
 
     def close(self) -> None:
-        pass
+        # A Fetch that ends with an error (OUT_OF_RANGE, a stall) leaves its frame, and so this
+        # stream, alive in the traceback's reference cycle until the cyclic GC runs; the array
+        # must not keep the lend's mapping (and its descriptor) open that long once the client
+        # released the lend.
+        self._target = None
