@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpark.shm import (
+    ALREADY_LENT,
     FETCH_ROLE,
     LEND_ENDED,
     LEND_UNKNOWN,
@@ -36,6 +37,7 @@ from kvpark.shm import (
     ShmBusy,
     ShmDisconnected,
     ShmLender,
+    ShmRefused,
     ShmTimedOut,
     ShmUnavailable,
     call_id,
@@ -95,8 +97,17 @@ class ShmAccess:
         # Lends to end whose release could not be sent in the time a call had: the next lend
         # sends them (else the producer would keep their memory until the connection ends).
         self._unreleased: list[str] = []
+        # Buffers the producer would not take because they are lent to it already (by another
+        # client of this process, or over a connection that ended while a copy still used
+        # it): not offered again before the time given.
+        self._lent_elsewhere: weakref.WeakKeyDictionary[SharedBuffer, float] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
+        # One lend at a time: a buffer that two loads want at once is lent once, since the
+        # producer maps each buffer once and refuses a second lend of it.
+        self._lending = threading.Lock()
         self._down_until = 0.0
         self._closed = False
         # Numbers the Fetches that name a call id, in the order their loads start.
@@ -226,6 +237,11 @@ class ShmAccess:
         try:
             still_lent = lender.release(lend_id, wait)
         except ShmUnavailable as exc:
+            if call is None and isinstance(exc, ShmBusy):
+                # Not sent: the next lend sends it first. A lend left in place would keep the
+                # buffer lent, and the producer lends no buffer twice.
+                with self._lock:
+                    self._unreleased.append(lent)
             log.warning(
                 "kvpark: a call cut off while the producer might copy into shared memory did "
                 "not settle: a late copy may still land in the memory it owned: %s",
@@ -303,6 +319,25 @@ class ShmAccess:
         if lender is None:
             return None
         left = _left(deadline)
+        if not self._lending.acquire(timeout=-1 if left is None else left):
+            return None  # another lend held it all this call's time
+        try:
+            return self._lend_once(lender, buffer, deadline)
+        finally:
+            self._lending.release()
+
+    def _lend_once(
+        self, lender: ShmLender, buffer: SharedBuffer, deadline: float | None
+    ) -> str | None:
+        """`_lend` once it may lend: the lend id another thread got for `buffer` meanwhile,
+        else a new one."""
+        with self._lock:
+            entry = self._lends.get(id(buffer))
+            if entry is not None and entry[0]() is buffer:
+                return entry[1]
+            if self._lent_elsewhere.get(buffer, 0.0) > time.monotonic():
+                return None
+        left = _left(deadline)
         try:
             lend_id = lender.lend(buffer, self._role, left)
         except (ShmBusy, ShmDisconnected) as exc:
@@ -310,6 +345,23 @@ class ShmAccess:
             # call's time, or another thread's failed request closed it (the next call
             # connects anew). Lends made over it, and other loads, are unaffected.
             log.info("kvpark: shared memory not used for this call: %s", exc)
+            return None
+        except ShmRefused as exc:
+            if not exc.reason.startswith(ALREADY_LENT):
+                self._down(f"lending a buffer failed: {exc}", exc, left)
+                return None
+            # Lent by another client of this process (a parker's buffer a consumer loads
+            # into), or over a connection that ended while a copy still used it. Shared memory
+            # works: only this buffer goes without it (loads stage through the staging buffer)
+            # for a while, rather than asking for every call or chunk in vain.
+            log.info(
+                "kvpark: a shared buffer not lent for %.0fs: it is lent to the producer "
+                "already: %s",
+                RETRY_AFTER_S,
+                exc,
+            )
+            with self._lock:
+                self._lent_elsewhere[buffer] = time.monotonic() + RETRY_AFTER_S
             return None
         except ShmUnavailable as exc:
             self._down(f"lending a buffer failed: {exc}", exc, left)
@@ -319,13 +371,8 @@ class ShmAccess:
                 return None
             raise
         with self._lock:
-            entry = self._lends.get(id(buffer))
-            if entry is None or entry[0]() is not buffer:
-                self._lends[id(buffer)] = (weakref.ref(buffer), lend_id)
-                return lend_id
-            raced = lend_id  # another thread lent this buffer meanwhile: keep one lend
-        self._release_unused(lender, [raced], deadline)
-        return entry[1]
+            self._lends[id(buffer)] = (weakref.ref(buffer), lend_id)
+        return lend_id
 
     def _release_unused(
         self, lender: ShmLender, lend_ids: list[str], deadline: float | None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvpark.shm import (
+    ALREADY_LENT,
     LENGTH,
     MAX_MESSAGE_BYTES,
     PARK_ROLE,
@@ -364,6 +366,8 @@ class ShmLendingServer:
         self._max_connections = max_connections
         self._max_total_lends = max_lends
         self._mappings = 0  # lends mapped now, ended or not (under _lock): one descriptor each
+        # The files (st_dev, st_ino) of those mappings (under _lock): each memfd is mapped once.
+        self._mapped_files: set[tuple[int, int]] = set()
         self._message_timeout_s = message_timeout_s
         self._lock = threading.Lock()  # guards _lends: the gRPC handlers read it
         self._lends: dict[str, LentBuffer] = {}
@@ -751,9 +755,10 @@ class ShmLendingServer:
         mapped = self._map(fds[0], role)
         if isinstance(mapped, str):
             return _refusal(mapped)
-        with self._lock:
-            self._mappings += 1
-        lent = LentBuffer(secrets.token_hex(16), role, mapped, self._unmapped)
+        mapping, file = mapped
+        lent = LentBuffer(
+            secrets.token_hex(16), role, mapping, functools.partial(self._unmapped, file)
+        )
         conn.lends[lent.lend_id] = lent
         with self._lock:
             self._lends[lent.lend_id] = lent
@@ -762,12 +767,14 @@ class ShmLendingServer:
         ).start()
         return {"ok": True, "lend_id": lent.lend_id, "nbytes": lent.nbytes}
 
-    def _unmapped(self) -> None:
+    def _unmapped(self, file: tuple[int, int]) -> None:
         with self._lock:
             self._mappings -= 1
+            self._mapped_files.discard(file)
 
-    def _map(self, fd: int, role: str) -> mmap.mmap | str:
-        """The producer's mapping of a lent descriptor, or why it is refused."""
+    def _map(self, fd: int, role: str) -> tuple[mmap.mmap, tuple[int, int]] | str:
+        """The producer's mapping of a lent descriptor and its file's (st_dev, st_ino), counted
+        as mapped until `_unmapped`; or why it is refused."""
         try:
             # F_GET_SEALS first: it answers from the inode for any descriptor (EINVAL unless
             # shmem/hugetlbfs), while fstat of a FUSE or hung NFS file could block this thread,
@@ -795,12 +802,29 @@ class ShmLendingServer:
             # touch and charged to the producer's cgroup for as long as the client keeps them.
             if st.st_blocks * 512 < st.st_size:
                 return "the memfd is not fully allocated (posix_fallocate it before lending)"
+            # Every lend is a mapping of its own, prefaulted: the producer builds page tables
+            # for each (about 0.5 MiB per 256 MiB lent), and its RSS counts the buffer again,
+            # while the client pays for its memory once. A memfd lent many times over (it may
+            # be, up to max_lends) would cost the producer that many times over, so one that
+            # is mapped already (lent, or ended while a copy still uses it) is refused. Only
+            # this thread adds files, so nothing is mapped between the check and the mmap.
+            file = (st.st_dev, st.st_ino)
+            with self._lock:
+                if file in self._mapped_files:
+                    return (
+                        f"{ALREADY_LENT} and still mapped (each buffer is mapped once): use the "
+                        "lend id it was given, or release that lend before lending it again"
+                    )
             prot = mmap.PROT_READ if role == PARK_ROLE else mmap.PROT_READ | mmap.PROT_WRITE
             # Not MAP_POPULATE: this thread answers every lend and release, and mapping a large
             # buffer up front would hold them all (0.26 s per 512 MiB); `_prefault` does it.
-            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
+            mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
         except OSError as exc:
             return f"cannot map the buffer: {exc.strerror or exc}"
+        with self._lock:
+            self._mappings += 1
+            self._mapped_files.add(file)
+        return mapping, file
 
     def _release(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any] | None:
         """Ends a lend, or for a call id one call's use of it. The answer waits until no call

@@ -41,6 +41,11 @@ ROLES = (PARK_ROLE, FETCH_ROLE)
 # other INVALID_ARGUMENT is the request's own fault, with a lend or without.
 LEND_UNKNOWN = "shm_lend_id names no buffer lent"
 LEND_ENDED = "the lent buffer was released"
+# How the producer's refusal of a lend begins when the memfd is lent to it already (over any
+# connection, for either role) and still mapped: it maps each buffer once, since every mapping
+# of it costs the producer page tables of its own. Clients use the lend they hold, and a
+# buffer another client lent goes without shared memory.
+ALREADY_LENT = "the memfd is already lent to this producer"
 
 # Wire format of the shm socket (a Unix stream socket, strictly request then answer):
 #   every message is a 4-byte big-endian unsigned length N (1..MAX_MESSAGE_BYTES) followed by
@@ -54,6 +59,7 @@ LEND_ENDED = "the lent buffer was released"
 #   client -> producer:         {"op": "lend", "role": "park"|"fetch", "token": <str>|null}
 #     with exactly one descriptor as SCM_RIGHTS ancillary data on this message and no other
 #     answer:                   {"ok": true, "lend_id": <32 hex>, "nbytes": <int>}
+#     (refused, beginning ALREADY_LENT, while the same memfd is lent and mapped already)
 #   client -> producer:         {"op": "release", "lend_id": <str>}
 #     answer:                   {"ok": true, "released": <bool>}
 # A call id, "<lend id>/<n>" (n a decimal integer the client numbers its calls with, in the
@@ -136,7 +142,8 @@ class ShmDisconnected(ShmUnavailable):
 
 class ShmRefused(ShmUnavailable):
     """The producer answered and refused a lend (bad token, the other role's token, an
-    unsuitable descriptor, a buffer too large, too many lends); `reason` is its answer."""
+    unsuitable descriptor, a buffer too large or lent already, too many lends); `reason` is
+    its answer."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"producer refused: {reason}")

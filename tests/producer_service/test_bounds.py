@@ -435,22 +435,24 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
 
 
 def _lends_until_refused(socket_path: str) -> int:
-    """Lends one small buffer over and over (64 lends per connection, the most) until the
-    producer refuses for its total; how many it took."""
+    """Lends small buffers (a new one each time: the producer maps a buffer once; 64 lends per
+    connection, the most) until the producer refuses for its total; how many it took."""
     made = 0
-    with SharedBuffer(4096) as buffer:
-        lenders: list[ShmLender] = []
-        try:
-            while True:
-                if made % 64 == 0:
-                    lenders.append(ShmLender(socket_path, None, 5.0))
-                    lenders[-1].connect()
+    lenders: list[ShmLender] = []
+    try:
+        while True:
+            if made % 64 == 0:
+                lenders.append(ShmLender(socket_path, None, 5.0))
+                lenders[-1].connect()
+            # Closed once lent: the producer's mapping keeps the memfd, and this process
+            # holds no descriptor per lend.
+            with SharedBuffer(4096) as buffer:
                 try:
                     lenders[-1].lend(buffer, "fetch")
                 except ShmRefused as refused:
                     assert "lends, the most it takes" in str(refused), refused
                     return made
-                made += 1
-        finally:
-            for lender in lenders:
-                lender.close()
+            made += 1
+    finally:
+        for lender in lenders:
+            lender.close()

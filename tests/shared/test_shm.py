@@ -281,19 +281,19 @@ def test_other_threads_run_while_a_buffer_maps_its_pages(monkeypatch: pytest.Mon
 def test_many_threads_share_one_lender(server: ShmLendingServer, lenders: Any) -> None:
     lender = lenders(server, "fetch")
     ids: list[str] = []
-    with SharedBuffer(64 * 1024) as buffer:
 
-        def work() -> None:
+    def work() -> None:
+        with SharedBuffer(64 * 1024) as buffer:  # one each: a buffer is lent once at a time
             for _ in range(20):
                 lend_id = lender.lend(buffer, "fetch")
                 ids.append(lend_id)
                 assert lender.release(lend_id) is True
 
-        threads = [threading.Thread(target=work) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     assert len(set(ids)) == 160
     assert server.lend_count == 0
 
@@ -486,13 +486,13 @@ def test_lends_over_all_connections_are_bounded(start_server: Any, lenders: Any)
     a limit too; a lend past it is refused with a reason, and one released makes room."""
     server = start_server(max_lends=2)
     first, second = lenders(server, "fetch"), lenders(server, "fetch")
-    with SharedBuffer(MiB) as buffer:
-        held = first.lend(buffer, "fetch")
-        second.lend(buffer, "fetch")
+    with SharedBuffer(MiB) as a, SharedBuffer(MiB) as b, SharedBuffer(MiB) as c:
+        held = first.lend(a, "fetch")
+        second.lend(b, "fetch")
         with pytest.raises(ShmRefused, match="holds 2 lends"):
-            second.lend(buffer, "fetch")
+            second.lend(c, "fetch")
         assert first.release(held) is True
-        assert server.get(second.lend(buffer, "fetch"), "fetch") is not None
+        assert server.get(second.lend(c, "fetch"), "fetch") is not None
 
 
 def test_a_lend_that_ended_counts_while_a_copy_still_holds_its_mapping(
@@ -539,20 +539,23 @@ def test_descriptors_trickled_with_one_message_end_the_connection(start_server: 
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
     server = start_server(max_lends_per_connection=2, max_lend_bytes=2 * MiB)
     lender = lenders(server, "fetch")
-    with SharedBuffer(2 * MiB) as fits, SharedBuffer(2 * MiB + 4096) as too_big:
+    fits = [SharedBuffer(2 * MiB) for _ in range(4)]
+    with SharedBuffer(2 * MiB + 4096) as too_big:
         with pytest.raises(ShmRefused, match="max_lend_bytes"):
             lender.lend(too_big, "fetch")
-        first = lender.lend(fits, "fetch")
-        lender.lend(fits, "fetch")
+        first = lender.lend(fits[0], "fetch")
+        lender.lend(fits[1], "fetch")
         with pytest.raises(ShmRefused, match="2 lends"):
-            lender.lend(fits, "fetch")
-        assert lenders(server, "fetch").lend(fits, "fetch"), "the limit is per connection"
+            lender.lend(fits[2], "fetch")
+        assert lenders(server, "fetch").lend(fits[2], "fetch"), "the limit is per connection"
         assert lender.release(first) is True
         assert lender.release(first) is False
         assert server.get(first, "fetch") is None
-        lender.lend(fits, "fetch")
+        lender.lend(fits[3], "fetch")
+    for buffer in fits:
+        buffer.close()
     with pytest.raises(ValueError):
-        lender.lend(fits, "fetch")  # a closed buffer is not sent at all
+        lender.lend(fits[0], "fetch")  # a closed buffer is not sent at all
     with SharedBuffer(4096) as small, pytest.raises(ValueError):
         lender.lend(small, "decode")
 
@@ -652,9 +655,9 @@ def test_a_silent_or_half_sent_client_is_cut_off(start_server: Any) -> None:
 
 def test_a_lend_ends_with_its_connection(server: ShmLendingServer, lenders: Any) -> None:
     lender = lenders(server, "fetch")
-    with SharedBuffer(MiB) as buffer:
+    with SharedBuffer(MiB) as buffer, SharedBuffer(MiB) as other:
         kept = lender.lend(buffer, "fetch")
-        idle = server.get(lender.lend(buffer, "fetch"), "fetch")
+        idle = server.get(lender.lend(other, "fetch"), "fetch")
         lent = server.get(kept, "fetch")
         assert lent is not None and idle is not None
         # A new lend is held briefly while the producer maps its pages in (`_prefault`).
@@ -815,14 +818,16 @@ def test_copy_throughput_print(server: ShmLendingServer, lenders: Any) -> None:
     pool[:] = 1  # fault the destination in: a real pool is preallocated and touched
     with SharedBuffer(nbytes) as buffer:
         buffer.array[:] = 5
-        park = server.get(lenders(server, "park").lend(buffer, "park"), "park")
-        fetch = server.get(lenders(server, "fetch").lend(buffer, "fetch"), "fetch")
-        assert park is not None and fetch is not None
         results = {}
-        for name, lent, into_lend in (
-            ("park lend -> pool", park, False),
-            ("pool -> fetch lend", fetch, True),
+        for name, role, into_lend in (
+            ("park lend -> pool", "park", False),
+            ("pool -> fetch lend", "fetch", True),
         ):
+            # Lent for one role at a time: the producer maps a buffer once.
+            lender = lenders(server, role)
+            lend_id = lender.lend(buffer, role)
+            lent = server.get(lend_id, role)
+            assert lent is not None
             best = float("inf")
             with lent.acquire() as view:
                 lent_array = np.frombuffer(view, np.uint8)
@@ -835,6 +840,7 @@ def test_copy_throughput_print(server: ShmLendingServer, lenders: Any) -> None:
                     best = min(best, time.perf_counter() - started)
                 del lent_array
             results[name] = nbytes / best / 1e9
+            assert lender.release(lend_id) is True
         assert np.array_equal(pool[:4096], buffer.array[:4096])
     print(
         "\nshm copy throughput (256 MiB, best of 5): "
@@ -948,7 +954,11 @@ def test_a_release_answered_late_leaves_the_connection_and_its_lends(
     request cannot be sent (ShmBusy, nothing sent, nothing closed); once it has, the late
     answer is read first and the connection serves on."""
     lender = lenders(server, "fetch")
-    with SharedBuffer(MiB) as kept_buffer, SharedBuffer(MiB) as buffer:
+    with (
+        SharedBuffer(MiB) as kept_buffer,
+        SharedBuffer(MiB) as buffer,
+        SharedBuffer(MiB) as another,
+    ):
         kept = lender.lend(kept_buffer, "fetch")
         lend_id = lender.lend(buffer, "fetch")
         held = server.get(call_id(lend_id, 1), "fetch")
@@ -959,9 +969,9 @@ def test_a_release_answered_late_leaves_the_connection_and_its_lends(
             assert not isinstance(late.value, ShmBusy)
             assert lender.connected
             with pytest.raises(ShmBusy):
-                lender.lend(buffer, "fetch", timeout_s=0.1)
+                lender.lend(another, "fetch", timeout_s=0.1)
             assert lender.connected and server.lend_count == 2
-        again = lender.lend(buffer, "fetch")
+        again = lender.lend(another, "fetch")
         assert server.get(again, "fetch") is not None
         assert server.get(kept, "fetch") is not None and server.lend_count == 3
 
