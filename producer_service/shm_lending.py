@@ -73,6 +73,9 @@ def descriptors(max_lends: int) -> int:
 
 
 SOCKET_MODE = 0o660
+# The mode of each directory the producer creates on the way to its socket: group members must
+# reach the socket through it.
+DIRECTORY_MODE = 0o750
 # The socket's name in the private directory it is bound in before it is linked into place.
 _STAGING_NAME = "s"
 # A lend carries one descriptor; room for a few more so that extras are received (and closed)
@@ -384,13 +387,13 @@ class ShmLendingServer:
     # --- life cycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Creates the socket file (mode 0660, its directory if missing) and starts serving.
-        A stale socket file (nobody listening) is replaced; anything else at the path is an
-        error, never removed."""
+        """Creates the socket file (mode 0660; directories missing on its way 0750, whatever
+        the umask) and starts serving. A stale socket file (nobody listening) is replaced;
+        anything else at the path is an error, never removed."""
         if self._thread is not None or self._stopped:
             raise RuntimeError("ShmLendingServer.start() may be called once")
         parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, mode=0o750, exist_ok=True)  # group members must reach the socket
+        _make_directories(parent)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             with _path_lock(self.path):
@@ -917,6 +920,38 @@ class ShmLendingServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+
+def _make_directories(path: str) -> None:
+    """Creates the directory `path` and any missing above it, each DIRECTORY_MODE whatever the
+    umask (mkdir's mode is filtered by it: under 077 the group could not reach the socket).
+    Directories that exist are left as they are. Each mode is set through a descriptor opened
+    without following a symlink, and only on a directory this user owns: whoever may write a
+    directory above may swap the new name for something else before the chmod."""
+    missing: list[str] = []
+    while not os.path.isdir(path):
+        path, name = os.path.split(path)
+        missing.append(name)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        for name in reversed(missing):
+            try:
+                os.mkdir(name, DIRECTORY_MODE, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False  # made by someone else meanwhile: its mode is theirs
+            child = os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    raise PermissionError(
+                        errno.EPERM, "directory was replaced after it was made", name
+                    )
+                os.fchmod(fd, DIRECTORY_MODE)
+    finally:
+        os.close(fd)
 
 
 def _refusal(error: str) -> dict[str, Any]:
