@@ -13,6 +13,7 @@ is a few syscalls. The message format is kvpark.shm's.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -81,6 +82,8 @@ _STAGING_NAME = "s"
 # A lend carries one descriptor; room for a few more so that extras are received (and closed)
 # rather than silently dropped by the kernel with MSG_CTRUNC.
 _MAX_FDS_PER_READ = 4
+# Room for that many descriptors (C ints) in one SCM_RIGHTS message.
+_ANCILLARY_BYTES = socket.CMSG_LEN(_MAX_FDS_PER_READ * array.array("i").itemsize)
 _PAUSE_AFTER_ACCEPT_ERROR_S = 0.05
 
 
@@ -623,18 +626,20 @@ class ShmLendingServer:
 
     def _on_readable(self, conn: _Connection) -> None:
         try:
-            data, fds, flags, _ = socket.recv_fds(
-                conn.sock,
-                LENGTH.size + MAX_MESSAGE_BYTES,
-                _MAX_FDS_PER_READ,
-                socket.MSG_CMSG_CLOEXEC,
+            # recvmsg itself: socket.recv_fds (3.11) ignores its flags, and a descriptor
+            # received without MSG_CMSG_CLOEXEC would be inherited by any program the producer
+            # runs, keeping the client's memory (and the lend's file) open in it.
+            data, ancillary, flags, _ = conn.sock.recvmsg(
+                LENGTH.size + MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC
             )
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._drop(conn)
             return
-        conn.fds.extend(fds)
+        # Kept with the connection before anything else can fail: from there they are closed
+        # with the message or with the connection, whatever happens.
+        conn.fds.extend(_received_fds(ancillary))
         # A lend carries one descriptor; more, even spread over a message trickled a byte at
         # a time, would pile up beyond the descriptor budget until the message completes.
         if flags & socket.MSG_CTRUNC or len(conn.fds) > 1:
@@ -956,6 +961,17 @@ def _make_directories(path: str) -> None:
 
 def _refusal(error: str) -> dict[str, Any]:
     return {"ok": False, "error": error}
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors in recvmsg's ancillary data (SCM_RIGHTS); anything else is ignored."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            # Whole descriptors only: a control message cut short (MSG_CTRUNC) may end
+            # part-way through one, and the kernel closed what did not fit.
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return fds.tolist()
 
 
 def _close_fds(fds: list[int]) -> None:

@@ -1,0 +1,77 @@
+"""Descriptors a producer receives over its shm socket are close-on-exec from the moment they
+arrive, so a program it runs never inherits a client's memory; and however many a message
+brings, every one is closed again (more than fit in the room kept for them is a truncated
+control message, which ends the connection). A real producer process; its descriptors are
+read from /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from conftest import ProducerProcess, wait_for
+
+from kvpark.shm import LENGTH, SharedBuffer, decode_message, encode_message
+
+O_CLOEXEC = 0o2000000  # in /proc/<pid>/fdinfo's octal "flags"
+
+
+def descriptors_of(pid: int, name: str) -> dict[int, int]:
+    """Process `pid`'s descriptors of the memfd `name`, each with its open flags."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError, StopIteration):  # closed meanwhile
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} "):
+                with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                    flags = next(line for line in info if line.startswith("flags:"))
+                found[int(fd)] = int(flags.split()[1], 8)
+    return found
+
+
+def connected(path: str) -> socket.socket:
+    """A connection past its hello, speaking the wire format by hand to send what ShmLender
+    never would."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    sock.sendall(encode_message({"op": "hello", "version": 1, "token": None}))
+    assert read_answer(sock)["ok"]
+    return sock
+
+
+def read_answer(sock: socket.socket) -> dict[str, Any]:
+    (size,) = LENGTH.unpack(sock.recv(LENGTH.size, socket.MSG_WAITALL))
+    return decode_message(sock.recv(size, socket.MSG_WAITALL))
+
+
+def test_a_received_descriptor_is_close_on_exec(
+    producer_process: Callable[..., ProducerProcess], shm_socket: str
+) -> None:
+    producer = producer_process(shm_socket=shm_socket)
+    name = f"kvpark-cloexec-{os.getpid()}"
+    with connected(shm_socket) as sock, SharedBuffer(4096, name) as buffer:
+        # The descriptor comes with the first byte of a lend, and the producer holds it until
+        # the rest of the message arrives.
+        frame = encode_message({"op": "lend", "role": "fetch", "token": None})
+        socket.send_fds(sock, [frame[:1]], [buffer.fd])
+        held = wait_for(lambda: descriptors_of(producer.proc.pid, name), what="the fd received")
+        assert [flags & O_CLOEXEC for flags in held.values()] == [O_CLOEXEC], held
+
+
+def test_descriptors_beyond_the_room_for_them_are_all_closed(
+    producer_process: Callable[..., ProducerProcess], shm_socket: str
+) -> None:
+    producer = producer_process(shm_socket=shm_socket)
+    name = f"kvpark-many-{os.getpid()}"
+    with connected(shm_socket) as sock, SharedBuffer(4096, name) as buffer:
+        frame = encode_message({"op": "lend", "role": "fetch", "token": None})
+        socket.send_fds(sock, [frame], [buffer.fd] * 10)
+        answer = read_answer(sock)
+        assert answer["error"].startswith("protocol error: a lend carries exactly one"), answer
+        assert sock.recv(1) == b"", "the connection ends"
+        wait_for(
+            lambda: not descriptors_of(producer.proc.pid, name), what="every received fd closed"
+        )
