@@ -299,7 +299,16 @@ class KVConsumer(ClientBase):
         stops it."""
         self._core.check_open()
         keep_alive = KeepAlive(self, kv_request_ids, interval_s=interval_s, extend_s=extend_s)
-        self._keep_alives.add(keep_alive)
+        # Added under the lock close() marks the client closed under: a close that came in
+        # meanwhile either finds this keep-alive, or is seen here. Missed, the keep-alive
+        # would run for good (with no id in its set it makes no call to find the client gone).
+        with self._lock:
+            closed = self._core.closed
+            if not closed:
+                self._keep_alives.add(keep_alive)
+        if closed:
+            keep_alive.stop()
+            self._core.check_open()  # raises ClientClosedError
         return keep_alive
 
     # -------------------------------------------------------------------------------- loads

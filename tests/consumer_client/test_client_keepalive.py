@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 from conftest import park, running_producer, state_of, stub_for, wait_until
@@ -18,6 +19,8 @@ from kvpark.client import (
     State,
     UsageError,
 )
+from kvpark.client import _sync as sync_client
+from kvpark.client.keepalive import KeepAlive
 from kvpark.pb import kvpark_pb2 as pb
 
 LEASE_S = 1.0
@@ -134,6 +137,25 @@ async def test_closing_the_client_ends_its_keep_alives_at_once(flavour: str) -> 
             await client.aclose()
             await asyncio.wait_for(task, timeout=10)
             assert not ka.running and task.exception() is None
+
+
+def test_a_close_while_a_keep_alive_starts_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() on another thread between keep_alive()'s check that the client is open and its
+    record of the new keep-alive: the keep-alive is stopped and keep_alive() raises, rather
+    than leaving a thread that runs for good."""
+    started: list[KeepAlive] = []
+
+    class ClosedWhileStarting(KeepAlive):
+        def __init__(self, client: KVConsumer, *args: Any, **kwargs: Any) -> None:
+            super().__init__(client, *args, **kwargs)
+            started.append(self)
+            client.close()  # the close that lands in the window
+
+    monkeypatch.setattr(sync_client, "KeepAlive", ClosedWhileStarting)
+    client = KVConsumer("127.0.0.1:1")
+    with pytest.raises(ClientClosedError):
+        client.keep_alive(interval_s=3600)
+    assert not started[0].running
 
 
 async def test_an_async_load_after_aclose_raises_client_closed_as_every_call_does() -> None:
