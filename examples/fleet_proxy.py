@@ -13,10 +13,13 @@ HTTP (JSON, fleet_http.py):
                        "prefill_node"?, "decode_worker"?, "hold_rest"?}
         Round robin over prefill nodes and over decode workers, unless the request names one.
         -> {"request_id", "prefill_node", "decode_worker", "prefill": {...}, "decode": {...},
-            "queued_s"}; 502 when a node or worker could not be reached (the request is lost).
+            "queued_s"}; 400 when it names a node or worker the proxy does not know (checked
+            before the prefill, so nothing is parked); 502 when a node or worker could not be
+            reached (the request is lost).
     POST /admin/decode-gate  {"open": bool}: while closed, prefilled requests wait here for
         decode, as behind a busy decode tier (the demo uses it to hold handles in flight).
-    GET  /admin/stats -> {"waiting", "done", "failed"}
+    GET  /admin/stats -> {"waiting", "done", "failed"}: "failed" counts every handoff that
+        did not answer 200.
 
 Settings: FLEET_PREFILL_NODES and FLEET_DECODE_WORKERS ("name=http://host:port,..."),
 FLEET_LISTEN (default 0.0.0.0:8000), FLEET_READY_FILE, FLEET_CALL_TIMEOUT_S (per forwarded call,
@@ -60,10 +63,8 @@ class Proxy:
         self._lock = threading.Lock()
         self._counts = {"waiting": 0, "done": 0, "failed": 0}
 
-    def _pick(self, named: object, table: dict[str, str], rotation: itertools.cycle[str]) -> str:
+    def _pick(self, named: object, rotation: itertools.cycle[str]) -> str:
         if named is not None:
-            if named not in table:
-                raise KeyError(f"unknown {named!r}; known: {', '.join(table)}")
             return str(named)
         with self._lock:
             return next(rotation)
@@ -73,9 +74,30 @@ class Proxy:
             self._counts[key] += delta
 
     def handoff(self, body: Json) -> tuple[int, Json]:
+        # Every request that does not end done counts as failed, whichever way it fails.
+        try:
+            status, answer = self._handoff(body)
+        except Exception:
+            self._count("failed")
+            raise
+        self._count("done" if status == 200 else "failed")
+        return status, answer
+
+    def _handoff(self, body: Json) -> tuple[int, Json]:
         rid = str(body["request_id"])
         request = {k: body[k] for k in ("request_id", "chunks", "chunk_bytes")}
-        node = self._pick(body.get("prefill_node"), self.prefill_nodes, self._next_node)
+        # Names are checked before anything runs: a request for a worker that does not exist
+        # must not be prefilled and leave its KV parked for nobody.
+        for key, table in (
+            ("prefill_node", self.prefill_nodes),
+            ("decode_worker", self.decode_workers),
+        ):
+            named = body.get(key)
+            if named is not None and named not in table:
+                known = ", ".join(table)
+                return 400, {"error": f"unknown {key} {named!r}; known: {known}"}
+        node = self._pick(body.get("prefill_node"), self._next_node)
+        worker = self._pick(body.get("decode_worker"), self._next_worker)
         try:
             prefill = post(
                 f"{self.prefill_nodes[node]}/prefill",
@@ -83,7 +105,6 @@ class Proxy:
                 timeout=self.call_timeout_s,
             )
         except HTTPCallError as exc:
-            self._count("failed")
             return 502, {"error": f"prefill on {node}: {exc}", "prefill_node": node}
 
         waited = time.monotonic()
@@ -94,7 +115,6 @@ class Proxy:
             self._count("waiting", -1)
         queued_s = time.monotonic() - waited
 
-        worker = self._pick(body.get("decode_worker"), self.decode_workers, self._next_worker)
         try:
             # The handle goes on as the prefill node wrote it; the proxy does not read it.
             decode = post(
@@ -103,9 +123,7 @@ class Proxy:
                 timeout=self.call_timeout_s,
             )
         except HTTPCallError as exc:
-            self._count("failed")
             return 502, {"error": f"decode on {worker}: {exc}", "prefill_node": node}
-        self._count("done")
         return 200, {
             "request_id": rid,
             "prefill_node": node,
