@@ -89,9 +89,14 @@ class ProducerChild:
         self.exited.set()
 
     def kill(self) -> Json:
-        """SIGKILL, then the status waitpid reports."""
-        self.killed_at = time.time()
-        os.kill(self.proc.pid, signal.SIGKILL)
+        """SIGKILL, then the status waitpid reports. A producer that already exited is
+        described as it ended: it is not signalled again, nor its `killed_at` moved."""
+        # Popen's returncode is set as soon as the waitpid thread reaps the child, before
+        # `exited` is; from then on its pid may name another process.
+        if self.proc.returncode is None:
+            self.killed_at = time.time()
+            # Through Popen, not os.kill(pid): Popen checks whether it reaped the child first.
+            self.proc.kill()
         if not self.exited.wait(10):
             raise RuntimeError(f"producer pid {self.proc.pid} still running 10 s after SIGKILL")
         return self.describe()
