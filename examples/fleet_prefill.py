@@ -16,10 +16,13 @@ HTTP (JSON, fleet_http.py):
     POST /prefill   {"request_id", "chunks", "chunk_bytes", "hold_rest": false}
         -> {"node", "handle": {...} | null, "park": {"ok", "reason", "elapsed_s", ...}}
         Synthetic KV (fleet_kv.py) parked in one batch. With "hold_rest" only the first half
-        is committed (the batch declares the whole chunk count) and the handle goes out at
-        once, as a prefill that streams its KV while it still computes; the rest waits for
-        POST /finish. A park that fails answers "handle": null and why.
-    POST /finish    {"request_id"} -> {"node", "park": {...}}: parks a held rest.
+        (chunks // 2, at least one) is committed (the batch declares the whole chunk count)
+        and the handle goes out at once, as a prefill that streams its KV while it still
+        computes; the rest waits for POST /finish. A request of one chunk is parked whole
+        and nothing is held. A park that fails answers "handle": null and why, and holds
+        nothing.
+    POST /finish    {"request_id"} -> {"node", "park": {...}}: parks a held rest; 404 when
+        nothing of the request is held.
     POST /admin/kill-producer -> {"pid", "returncode", "killed_at", ...}: SIGKILLs the child.
     GET  /status    -> {"node", "producer": {"pid", "advertised", "epoch", "running", ...}}
 
@@ -150,11 +153,17 @@ class PrefillNode:
         shape = fleet_kv.Shape(int(body["chunks"]), int(body["chunk_bytes"]))
         chunks = {c: fleet_kv.chunk(rid, c, shape) for c in range(shape.chunks)}
         if body.get("hold_rest"):
-            half = shape.chunks // 2
-            first = {c: chunks[c] for c in range(half)}
-            with self._lock:
-                self._held[rid] = (shape, {c: chunks[c] for c in range(half, shape.chunks)})
+            # At least one chunk goes out at once: a batch of none is no park. A request of
+            # one chunk is thus parked whole and nothing is held.
+            half = max(1, shape.chunks // 2)
+            first = {c: data for c, data in chunks.items() if c < half}
+            rest = {c: data for c, data in chunks.items() if c >= half}
             result = self.parker.park(rid, first, total_chunks=shape.chunks)
+            # Held only once the first part is parked: a rest whose start failed is never
+            # finished, and would stay here for good.
+            if result.ok and rest:
+                with self._lock:
+                    self._held[rid] = (shape, rest)
         else:
             result = self.parker.park(rid, chunks)
         if not result.ok:

@@ -1,0 +1,89 @@
+"""A prefill node's hold_rest: the first part parks at once, the rest only on /finish.
+
+The first part is never empty (a batch of no chunks is no park): a one-chunk request is parked
+whole and nothing is held. A rest is held only once its first part parked; one whose first
+part failed would never be finished, so /finish must find nothing of it.
+
+PrefillNode is driven directly, parking into a real producer (or, for the failure, into a
+port where none listens).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from conftest import ROOT, ProducerProcess, free_port, start_producer_process
+
+from kvpark import KVParker, Timeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def example(name: str) -> ModuleType:
+    # examples/ is not a package and not installed; its scripts import each other by name.
+    folder = str(ROOT / "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+fleet_prefill = example("fleet_prefill")
+
+
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProducerProcess]:
+    p = start_producer_process(tmp_path_factory.mktemp("producer"))
+    try:
+        yield p
+    finally:
+        p.proc.terminate()
+        p.proc.wait(10)
+
+
+def node_for(target: str, parker: KVParker) -> Any:
+    # The node's own producer child is not needed: only /prefill and /finish are called.
+    return fleet_prefill.PrefillNode("p1", parker, None, epoch=0, advertised=target)
+
+
+def prefill(node: Any, rid: str, chunks: int) -> Any:
+    body = {"request_id": rid, "chunks": chunks, "chunk_bytes": 1024, "hold_rest": True}
+    status, answer = node.prefill(body)
+    assert status == 200, answer
+    return answer
+
+
+def test_a_one_chunk_request_is_parked_whole(producer: ProducerProcess) -> None:
+    with KVParker(producer.target, timeout=Timeout(total_s=10)) as parker:
+        node = node_for(producer.target, parker)
+        answer = prefill(node, "hold-one", 1)
+        assert answer["park"]["ok"], answer
+        assert answer["park"]["chunks_parked"] == 1
+        assert answer["handle"]["num_chunks"] == 1
+        status, _ = node.finish({"request_id": "hold-one"})
+        assert status == 404
+
+
+def test_the_rest_is_held_until_finish(producer: ProducerProcess) -> None:
+    with KVParker(producer.target, timeout=Timeout(total_s=10)) as parker:
+        node = node_for(producer.target, parker)
+        answer = prefill(node, "hold-three", 3)
+        assert answer["park"]["chunks_parked"] == 1, answer
+        status, finished = node.finish({"request_id": "hold-three"})
+        assert status == 200 and finished["park"]["ok"], finished
+        # chunks_parked counts the id's chunks on the producer, all batches.
+        assert finished["park"]["chunks_parked"] == 3
+
+
+def test_a_rest_whose_first_part_failed_is_not_held() -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with KVParker(target, timeout=Timeout(total_s=5)) as parker:
+        node = node_for(target, parker)
+        answer = prefill(node, "hold-lost", 4)
+        assert not answer["park"]["ok"] and answer["handle"] is None, answer
+        status, _ = node.finish({"request_id": "hold-lost"})
+        assert status == 404
