@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvpark import KVHandle
+
 PHASES = ("before", "streamed", "queued", "after")
 # Slack on the load timeout for a fallback: scheduling, the HTTP hop, a loaded CI machine.
 MARGIN_S = 1.0
@@ -74,9 +76,8 @@ class Outcome:
             park_ok=park["ok"],
             park_reason=park["reason"],
             park_s=park["elapsed_s"],
-            handle_producer=(
-                f"{handle['remote_host']}:{handle['remote_port']}" if handle else None
-            ),
+            # As the client reads the handle: an IPv6 host comes back in brackets.
+            handle_producer=KVHandle.from_dict(handle).producer if handle else None,
             handle_epoch=handle.get("producer_epoch"),
             verified=decode["verified"],
             ended_at=decode["ended_at"],
