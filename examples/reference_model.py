@@ -179,9 +179,14 @@ class ReferenceModel:
         prompt = self._tokens(tokens)
         if n < 0:
             raise ValueError(f"n must not be negative, got {n}")
-        self.layout.block_major(cache, len(prompt) + max(n - 1, 0))
-        if len(prompt) + n > self.config.max_positions:
-            raise ValueError(f"{len(prompt)} + {n} tokens exceed {self.config.max_positions}")
+        # The last generated token is never fed back: it takes no position.
+        used = len(prompt) + max(n - 1, 0)
+        self.layout.block_major(cache, used)
+        if used > self.config.max_positions:
+            raise ValueError(
+                f"{len(prompt)} tokens and {n} generated need {used} positions, "
+                f"beyond {self.config.max_positions}"
+            )
         logits = self.prefill(prompt, cache, start_chunk)
         out: list[int] = []
         for position in range(len(prompt), len(prompt) + n):

@@ -142,3 +142,19 @@ def test_bad_calls_are_refused(model: Any) -> None:
         model.generate(prompt, cache, 30)
     with pytest.raises(ValueError, match="token ids"):
         model.prefill(prompt + model.config.vocab_size, cache)
+
+
+def test_generate_fits_exactly_max_positions() -> None:
+    """generate uses len(prompt) + n - 1 positions: the last token it returns is never fed
+    back, so a prompt that fills every position still yields one token, and a call one
+    position beyond is refused with the count it needed."""
+    small = reference_model.ReferenceModel(reference_model.ModelConfig(max_positions=128), seed=7)
+    full = np.arange(128) % small.config.vocab_size
+    cache = small.new_cache(128)
+    logits = small.prefill(full, cache)
+    assert small.generate(full, small.new_cache(128), 1) == [int(np.argmax(logits))]
+    # Positions 0..127 exactly: 121 of the prompt, 7 of the tokens fed back.
+    assert len(small.generate(full[:121], small.new_cache(128), 8)) == 8
+    # A cache with room for it, so that the refusal is max_positions', not the cache's.
+    with pytest.raises(ValueError, match="need 129 positions, beyond 128"):
+        small.generate(full[:121], small.new_cache(129), 9)
