@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
 REFERENCE_BYTES = 580_000_000
@@ -48,7 +49,7 @@ def evaluate(doc: dict[str, Any]) -> list[Target]:
     raw_cpu = transfer("raw_tcp", None, lambda r: r["cpu_s_per_gb"]["total"])  # type: ignore[arg-type]
     tcp_cpu = transfer("fetch", "tcp", lambda r: r["cpu_s_per_gb"]["total"])
     scale = REFERENCE_BYTES / doc["plan"]["size_bytes"]
-    tcp_s = transfer("fetch", "tcp", lambda r: sorted(r["seconds"])[len(r["seconds"]) // 2])
+    tcp_s = transfer("fetch", "tcp", lambda r: median(r["seconds"]))
     return [
         Target("fetch over tcp", transfer("fetch", "tcp", ratio), 0.9, True, "x raw TCP"),
         Target("fetch over tcp, CPU per GB",
