@@ -111,9 +111,11 @@ def table(doc: dict[str, Any]) -> str:
     cells = [["target", "measured", "goal", "", "unit"]]
     for t in doc["targets"]:
         measured = "-" if t["measured"] is None else _significant(t["measured"])
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        verdict = "MISSED" if t["verdict"] == "missed" else t["verdict"]
+        # A percentile's sample count beside its unit: how much the figure can be trusted.
+        unit = t["unit"] if t["n"] is None else f"{t['unit']}, n={t['n']}"
         cells.append([t["name"], measured, f"{'>=' if t['at_least'] else '<='} {t['goal']:g}",
-                      verdict, t["unit"]])  # fmt: skip
+                      verdict, unit])  # fmt: skip
     lines += [*_columns(cells), ""]
     if doc["ok"]:
         lines.append(f"ok: every byte verified ({doc['verified_bytes'] / 1e6:,.0f} MB compared "
