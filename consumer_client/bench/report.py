@@ -1,10 +1,11 @@
 """`kvpark bench`'s figures: the JSON document, and the table printed from it. Throughput is the
 median over repetitions (GB = 10^9 bytes) beside the slowest and fastest; ratios are paired,
 computed per repetition and then the median: to raw TCP, with the raw TCP step of the same
-repetition of the transfer section (back to back there); to one fetch (the concurrent loads),
-with the one load run just before them; CPU cost is
-CPU seconds per GB moved, this process plus the other end (null when it is not ours to read, a
-producer given by --target); latencies are nearest-rank percentiles over every try.
+repetition of the transfer section (back to back there), or for the concurrent section's rows
+with that section's one raw transfer of the whole ("raw TCP, one beside the 16") of the same
+repetition; to one fetch (the concurrent loads), with the one load run just before them. CPU
+cost is CPU seconds per GB moved, this process plus the other end (null when it is not ours to
+read, a producer given by --target); latencies are nearest-rank percentiles over every try.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "raw_tcp_one", "raw_tcp_concurrent
 # A row of transfers at once -> the one transfer each repetition of it is paired with.
 _PAIRED_WITH = {"fetch_concurrent": "fetch_one", "fetch_concurrent_probed": "fetch_one",
                 "raw_tcp_concurrent": "raw_tcp_one"}  # fmt: skip
+# The concurrent section's rows take their raw TCP reference from that section, not from the
+# transfer section's: the machine's speed drifts between sections (sections.concurrent).
+_CONCURRENT_KINDS = {*_PAIRED_WITH, *_PAIRED_WITH.values()}
 LATENCY_KINDS = ("lookup", "late_fetch", "late_fetch_busy")
 
 
@@ -57,16 +61,17 @@ def _transfer(row: Row, raw: Row, nbytes: int) -> dict[str, Any]:
 def document(meta: dict[str, Any], rows: Sequence[Row], nbytes: int) -> dict[str, Any]:
     transfer: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
-    raw: dict[int, Row] = {}  # chunk size -> its raw-TCP row
+    raw: dict[tuple[str, int], Row] = {}  # (raw_tcp or raw_tcp_one, chunk size) -> the row
     # (kind, transport, chunk) -> the one transfer measured beside the concurrent ones
     single: dict[tuple[str, str | None, int], Row] = {}
     for row in (r for r in rows if r.seconds):
-        if row.kind == "raw_tcp":
-            raw[row.chunk_bytes] = row
+        if row.kind in ("raw_tcp", "raw_tcp_one"):
+            raw[row.kind, row.chunk_bytes] = row
         if row.kind in _PAIRED_WITH.values():
             single[row.kind, row.transport, row.chunk_bytes] = row
-        if row.kind in TRANSFER_KINDS and row.chunk_bytes in raw:
-            transfer.append(_transfer(row, raw[row.chunk_bytes], nbytes))
+        reference = "raw_tcp_one" if row.kind in _CONCURRENT_KINDS else "raw_tcp"
+        if row.kind in TRANSFER_KINDS and (reference, row.chunk_bytes) in raw:
+            transfer.append(_transfer(row, raw[reference, row.chunk_bytes], nbytes))
             one_kind = _PAIRED_WITH.get(row.kind, "")
             alone = single.get((one_kind, row.transport, row.chunk_bytes))
             if alone is not None:

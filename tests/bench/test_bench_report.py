@@ -29,6 +29,7 @@ def test_concurrent_ratio_pairs_each_repetition_with_the_one_load_before_it() ->
     # paired, each repetition says 1.0; medians taken apart would say 0.5 or 2.0.
     rows = [
         row("raw_tcp", [0.2, 0.2, 0.2], None),
+        row("raw_tcp_one", [0.2, 0.2, 0.2], None),
         row("fetch_one", [0.2, 0.4, 0.4]),
         row("fetch_concurrent", [0.2, 0.2, 0.4]),
     ]
@@ -55,6 +56,29 @@ def test_raw_tcp_transfers_at_once_pair_with_raw_tcps_one_transfer_alone() -> No
     assert ratios["fetch_concurrent"] == 1.0  # 1.0, 1.0, 0.5; with raw TCP's one: 0.5
     assert ratios["raw_tcp_one"] is None and ratios["fetch_one"] is None
     assert "raw TCP, 16 at once" in table(doc)
+
+
+def test_concurrent_rows_ratio_to_raw_tcp_measured_in_their_own_section() -> None:
+    """The concurrent section's rows are "x raw TCP" of the raw transfer of the whole measured
+    in that section, repetition by repetition; the transfer section's raw TCP, run earlier at
+    another speed, is the reference of that section's rows only."""
+    rows = [
+        row("raw_tcp", [0.1, 0.1, 0.1], None),  # the transfer section: raw TCP ran fast then
+        row("fetch", [0.2, 0.2, 0.2]),
+        row("raw_tcp_one", [0.2, 0.4, 0.2], None),  # the concurrent section: slower, drifting
+        row("raw_tcp_concurrent", [0.4, 0.4, 0.4], None),
+        row("fetch_one", [0.2, 0.4, 0.4]),
+        row("fetch_concurrent", [0.4, 0.8, 0.4]),
+        row("fetch_concurrent_probed", [0.8, 0.8, 0.8]),
+    ]
+    doc = document(META, rows, SIZE)
+    ratios = {r["kind"]: r["ratio_to_raw_tcp"] for r in doc["transfer"]}
+    assert ratios["fetch"] == 0.5  # 0.1 / 0.2, to the transfer section's raw TCP
+    assert ratios["raw_tcp_one"] == 1.0
+    assert ratios["raw_tcp_concurrent"] == 0.5  # 0.5, 1.0, 0.5
+    assert ratios["fetch_one"] == 1.0  # 1.0, 1.0, 0.5
+    assert ratios["fetch_concurrent"] == 0.5  # 0.5, 0.5, 0.5; with the transfer's: 0.25
+    assert ratios["fetch_concurrent_probed"] == 0.25  # 0.25, 0.5, 0.25
 
 
 def test_a_target_just_missed_does_not_print_as_its_goal() -> None:
