@@ -333,8 +333,9 @@ def _concurrent_loads(
         if not result.ok or result.transport != transport:
             raise Check(f"concurrent load of {kid!r} answered {result}")
     run.compare(dest, staged[: len(dest)], f"{STREAMS} concurrent loads, {transport}")
-    for result in results:
-        consumer.confirm(result)
+    for kid, result in zip(kids, results, strict=True):
+        if not (confirmed := consumer.confirm(result)).ok:
+            raise Check(f"confirming the delivery of {kid!r} answered {confirmed}")
 
 
 def _load_all(
