@@ -25,8 +25,8 @@ NAMES = {"raw_tcp": "raw TCP loopback", "park": "park", "fetch": "fetch",
          "fetch_concurrent_probed": f"{STREAMS} at once, late fetches too",
          "raw_tcp_one": f"raw TCP, one beside the {STREAMS}",
          "raw_tcp_concurrent": f"raw TCP, {STREAMS} at once",
-         "lookup": "unary Lookup",
-         "late_fetch": "late fetch (RELEASED id)",
+         "lookup": "unary Lookup (idle)",
+         "late_fetch": "late fetch (RELEASED id, idle)",
          "late_fetch_busy": f"late fetch during {STREAMS} fetches"}  # fmt: skip
 TRANSFER_KINDS = ("raw_tcp", "park", "fetch", "raw_tcp_one", "raw_tcp_concurrent", "fetch_one",
                   "fetch_concurrent", "fetch_concurrent_probed")  # fmt: skip
@@ -107,7 +107,8 @@ def table(doc: dict[str, Any]) -> str:
                       f"{cpu['total']} ({cpu['this']} + {cpu['other']})",
                       f"{r['ratio_to_single']:.2f}" if "ratio_to_single" in r else ""])  # fmt: skip
     lines += [*_columns(cells), ""] if doc["transfer"] else []
-    cells = [["latency (idle)", "n", "p50 us", "p99 us", "x Lookup p50"]]
+    # Idle and busy rows share the table: each row's name says which it is.
+    cells = [["latency", "n", "p50 us", "p99 us", "x Lookup p50"]]
     for r in doc["latency"]:
         ratio = r.get("p50_ratio_to_lookup")
         cells.append([f"{NAMES[r['kind']]}, {r['transport']}", str(r["n"]), f"{r['p50_us']:,.0f}",

@@ -86,3 +86,16 @@ def test_a_target_just_missed_does_not_print_as_its_goal() -> None:
     text = table(document(META, rows, SIZE))
     line = next(x for x in text.splitlines() if x.startswith("fetch over tcp "))
     assert "0.449" in line and "MISSED" in line, line
+
+
+def test_the_latency_table_says_idle_only_of_the_idle_rows() -> None:
+    rows = [row("lookup", [0.001] * 3), row("late_fetch", [0.001] * 3),
+            row("late_fetch_busy", [0.002] * 3)]  # fmt: skip
+    lines = table(document(META, rows, SIZE)).splitlines()
+
+    def line(start: str) -> str:
+        return next(x for x in lines if x.startswith(start))
+
+    assert "idle" not in line("latency"), lines
+    assert "idle" in line("unary Lookup") and "idle" in line("late fetch (RELEASED"), lines
+    assert "idle" not in line("late fetch during 16 fetches"), lines
