@@ -5,7 +5,8 @@ KVPARK_FETCH_TOKEN) and the other commands' TLS options. KVPARK_TARGET alone doe
 one: pushing hundreds of MB through a serving producer's pool is for an operator to ask for by
 name. Progress goes to stderr; the table, or with --json the JSON document, to stdout. Exit
 status: 0 the run completed with every byte verified (speed is reported, not judged); 1 a
-byte, a CRC or an outcome was wrong, or a section could not run; 2 usage.
+byte, a CRC or an outcome was wrong, or a section could not run; 2 usage; 143 (128 + SIGTERM)
+stopped by SIGTERM, after stopping its own producer and helpers.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..cli_connect import ClientTls
 from ..parker import KVParker
 from . import report, sections
 from .late_fetcher import ProberArgs
-from .processes import OwnProducer
+from .processes import OwnProducer, sigterm_as_exit
 from .transports import DEFAULT_TRANSPORTS, TRANSPORTS
 
 HELP = "measure park and fetch against raw TCP, and late fetches, on our own producer or --target"
@@ -156,6 +157,12 @@ def check_writable(path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (a job's timeout, a container stopping) ends the run through its clean-up.
+    with sigterm_as_exit():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     park_args, fetch_args = client_args(args)
     if args.json_file is not None:

@@ -2,8 +2,9 @@
 kvpark.producer`, as deployed, on a free loopback port with the image's glibc allocator
 settings in its environment (multi-MiB buffers stay on the heap instead of being fresh,
 page-faulting `mmap`s) and none of our KVPARK_ variables; it and the raw-TCP peer are stopped
-by their PID, and nothing else is. A running child's CPU time comes from /proc/<pid>/stat
-(Linux); elsewhere the figures that need it are left out.
+by their PID, and nothing else is, also when the bench itself is sent SIGTERM
+(`sigterm_as_exit`). A running child's CPU time comes from /proc/<pid>/stat (Linux); elsewhere
+the figures that need it are left out.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 from kvpark.alloc import ARENA_MAX, MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
@@ -47,6 +52,33 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 def spent(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else after - before
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within it, SIGTERM raises SystemExit(128 + SIGTERM) in the main thread. By default the
+    signal ends the process where it stands, and the `finally` blocks that stop our producer
+    and helpers and remove their temporary files never run: the producer would go on serving,
+    orphaned, with its socket on disk. Once one SIGTERM has arrived, more are ignored, so that
+    they do not cut that clean-up short (stop_pid bounds it). The previous handler comes back
+    at the end. Off the main thread, where no handler can be set, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ignore(signum: int, frame: FrameType | None) -> None:
+        pass  # a handler, not SIG_IGN: an ignored disposition would pass to children we start
+
+    def exit_(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, ignore)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python, which cannot be put back; the default is.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def stop_pid(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int | None:
