@@ -3,12 +3,14 @@ kvpark.producer`, as deployed, on a free loopback port with the image's glibc al
 settings in its environment (multi-MiB buffers stay on the heap instead of being fresh,
 page-faulting `mmap`s) and none of our KVPARK_ variables; it and the raw-TCP peer are stopped
 by their PID, and nothing else is, also when the bench itself is sent SIGTERM
-(`sigterm_as_exit`). A running child's CPU time comes from /proc/<pid>/stat (Linux); elsewhere
-the figures that need it are left out.
+(`sigterm_as_exit`); on Linux the kernel ends the producer even when the bench is killed
+outright (`_ends_with_us`; the peer ends when its stdin closes). A running child's CPU time
+comes from /proc/<pid>/stat (Linux); elsewhere the figures that need it are left out.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -17,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -31,6 +33,7 @@ ALLOCATOR_ENV = {
     "MALLOC_ARENA_MAX": str(ARENA_MAX),
 }
 START_TIMEOUT_S = 60.0  # the producer touches every page of its pool before it listens
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def child_env() -> dict[str, str]:
@@ -81,6 +84,25 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def _ends_with_us() -> Callable[[], None] | None:
+    """A `preexec_fn` (Linux; None elsewhere) that has the kernel send the child SIGTERM when
+    its parent ends, however it ends: SIGKILL runs none of our clean-up, and the producer,
+    whose stdin is not ours, would otherwise serve on. The kernel ties the signal to the
+    thread that starts the child: OwnProducer is started by the thread that runs the bench."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # Best effort: should the call fail, the child starts as it would without it.
+        prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent ended before the request: no signal comes
+            os._exit(1)
+
+    return preexec
+
+
 def stop_pid(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> int | None:
     """SIGTERM to a process we started, SIGKILL after `grace_s`; its exit status."""
     if proc.poll() is None:
@@ -124,7 +146,8 @@ class OwnProducer:
         argv += ["--data-listen", "127.0.0.1:0", "--shm-socket", f"{self._dir.name}/shm.sock"]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=child_env())  # fmt: skip
+                                     stderr=subprocess.STDOUT, env=child_env(),
+                                     preexec_fn=_ends_with_us())  # fmt: skip
         self.pid = self.proc.pid
         try:
             self._wait_listening(time.monotonic() + START_TIMEOUT_S)

@@ -100,3 +100,13 @@ def test_sigterm_stops_the_producer_and_removes_its_directory(tmp_path: Path) ->
         wait_for(lambda: gone(bench.peer), 15, "the raw-TCP peer to exit")
         assert not bench.directory.exists()
         assert status == 128 + signal.SIGTERM, bench.out.read_text()
+
+
+def test_the_producer_ends_with_a_bench_killed_outright(tmp_path: Path) -> None:
+    # SIGKILL runs none of the bench's clean-up (the directory stays, removed by the fixture):
+    # the kernel ends the producer, and the peer ends when its stdin closes.
+    with running_bench(tmp_path) as bench:
+        os.kill(bench.proc.pid, signal.SIGKILL)
+        assert bench.proc.wait(timeout=60) == -signal.SIGKILL
+        wait_for(lambda: gone(bench.producer), 30, "the producer to exit")
+        wait_for(lambda: gone(bench.peer), 15, "the raw-TCP peer to exit")
