@@ -154,9 +154,12 @@ class ProducerMetrics:
         self.park_total = Counter(
             "kvpark_park", "Park calls by outcome", ["status", "reason"], registry=r
         )
+        # Fetches answered with a TransferDone; one cut off before it (cancelled, stalled, a
+        # broken data connection) has no outcome of the producer's to count.
         self.fetch_total = Counter(
-            "kvpark_fetch", "Fetch calls by outcome", ["status", "reason"], registry=r
-        )
+            "kvpark_fetch", "Fetch calls answered, by the TransferDone's status and reason",
+            ["status", "reason"], registry=r,
+        )  # fmt: skip
         # By transport: an operator sees whether decode workers take the data plane on offer
         # (shm, tcp) or fall back to the slower gRPC stream.
         self.sent_bytes_total = Counter(
@@ -167,9 +170,13 @@ class ProducerMetrics:
             self.sent_bytes_total.labels(transport)
         # How TCP data connections presented their tickets: on a new connection, on one kept
         # from an earlier Fetch, or refused. Many TCP Fetches and few "kept" means consumers
-        # pay a connect (and a TLS handshake) per load.
+        # pay a connect (and a TLS handshake) per load. "refused" is every connection turned
+        # away before a Fetch got it: a bad ticket, a failed TLS handshake (a client
+        # certificate mismatch shows here) or no whole ticket in time (port probes too).
         self.data_connections_total = Counter(
-            "kvpark_data_connections", "Data-connection tickets by connection: new, kept, refused",
+            "kvpark_data_connections",
+            "Data connections by how they presented a ticket: new, kept, or refused (a bad "
+            "ticket, a failed TLS handshake, no whole ticket in time)",
             ["connection"], registry=r,
         )  # fmt: skip
         for connection in DATA_CONNECTIONS:
