@@ -122,7 +122,7 @@ class Run:
         at_start = {node: self.producer(node) for node in self.nodes}
         fanout = self.per_node * len(self.nodes)
         first_worker = next(iter(self.workers))
-        half = self.shape.chunks // 2
+        half = self.shape.first_part
         say(
             f"prefill nodes {', '.join(self.nodes)}; decode workers {', '.join(self.workers)}; "
             f"{self.shape.chunks} chunks x {self.shape.chunk_bytes // 1024} KiB per request; "

@@ -28,6 +28,12 @@ class Shape:
     def nbytes(self) -> int:
         return self.chunks * self.chunk_bytes
 
+    @property
+    def first_part(self) -> int:
+        """The chunks a "hold_rest" prefill parks at once (the rest later): half, but at
+        least one, since a batch of none is no park; a one-chunk request goes out whole."""
+        return max(1, self.chunks // 2)
+
 
 def chunk(request_id: str, index: int, shape: Shape) -> Bytes:
     """Chunk `index` of `request_id`'s KV."""

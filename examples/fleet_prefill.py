@@ -153,9 +153,7 @@ class PrefillNode:
         shape = fleet_kv.Shape(int(body["chunks"]), int(body["chunk_bytes"]))
         chunks = {c: fleet_kv.chunk(rid, c, shape) for c in range(shape.chunks)}
         if body.get("hold_rest"):
-            # At least one chunk goes out at once: a batch of none is no park. A request of
-            # one chunk is thus parked whole and nothing is held.
-            half = max(1, shape.chunks // 2)
+            half = shape.first_part
             first = {c: data for c, data in chunks.items() if c < half}
             rest = {c: data for c, data in chunks.items() if c >= half}
             result = self.parker.park(rid, first, total_chunks=shape.chunks)

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fleet_kv import Shape
+
 from kvpark import KVHandle
 
 PHASES = ("before", "streamed", "queued", "after")
@@ -123,7 +125,7 @@ def check(o: Outcome, summary: dict[str, Any]) -> None:
         o.problems.append(f"fell back on {reason}, not on noticing the producer's death")
     if o.phase == "after" and (o.park_ok or o.reason != "NO_HANDLE"):
         o.problems.append("parked after its producer was killed")
-    half = summary["chunks"] // 2
+    half = Shape(summary["chunks"], 0).first_part
     if o.phase == "streamed" and (o.chunks_loaded, o.recomputed_from) != (half, half):
         o.problems.append(
             f"loaded {o.chunks_loaded} chunks, recomputed from {o.recomputed_from}; "

@@ -87,3 +87,12 @@ def test_a_rest_whose_first_part_failed_is_not_held() -> None:
         assert not answer["park"]["ok"] and answer["handle"] is None, answer
         status, _ = node.finish({"request_id": "hold-lost"})
         assert status == 404
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_the_driver_expects_the_part_the_node_parks(producer: ProducerProcess, chunks: int) -> None:
+    """The driver and its report judge a "streamed" request by `Shape.first_part`, the chunks
+    parked at once: the count the node parks, for every size (one chunk included)."""
+    with KVParker(producer.target, timeout=Timeout(total_s=10)) as parker:
+        answer = prefill(node_for(producer.target, parker), f"hold-size-{chunks}", chunks)
+    assert answer["park"]["chunks_parked"] == example("fleet_kv").Shape(chunks, 1).first_part
