@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -169,12 +170,40 @@ def free_port() -> int:
 
 @dataclass
 class ProducerProcess:
-    """A producer running as `python -m kvpark.producer` (for signals and SIGKILL)."""
+    """A producer running as `python -m kvpark.producer` (for signals and SIGKILL).
+
+    Its output is read as it comes, into `log`: a pipe nobody reads fills after about 64 KiB
+    (a few hundred log lines), and the producer would then block on its next log line with
+    every call it serves."""
 
     proc: subprocess.Popen[str]
     target: str
     metrics_port: int
     log: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+
+    def read_output(self) -> None:
+        """Starts reading the output into `log` (once the start-up check is done with it)."""
+        stream = self.proc.stdout
+        assert stream is not None and self._reader is None
+        self._reader = threading.Thread(
+            target=lambda: self.log.extend(stream), name="producer-output", daemon=True
+        )
+        self._reader.start()
+
+    def output(self, timeout: float = 30.0) -> str:
+        """Everything the producer wrote, once it has exited (its output ends with it)."""
+        self.proc.wait(timeout=timeout)
+        if self._reader is not None:
+            self._reader.join(timeout=timeout)
+        return "".join(self.log)
+
+    def close_output(self) -> None:
+        """After the process has ended: the reader sees the end of its output first."""
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
 
 def start_producer_process(
@@ -218,7 +247,9 @@ def start_producer_process(
         finally:
             ready.cancel()
     metrics = str(settings["metrics_listen"])
-    return ProducerProcess(proc, target, Address.parse(metrics).port if metrics else 0)
+    started = ProducerProcess(proc, target, Address.parse(metrics).port if metrics else 0)
+    started.read_output()
+    return started
 
 
 @pytest.fixture
@@ -244,5 +275,4 @@ def producer_process(tmp_path: Path) -> Iterator[Callable[..., ProducerProcess]]
         if p.proc.poll() is None:
             p.proc.kill()
         p.proc.wait(timeout=10)
-        if p.proc.stdout:
-            p.proc.stdout.close()
+        p.close_output()

@@ -63,8 +63,7 @@ def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProducerProce
     finally:
         p.proc.terminate()
         p.proc.wait(timeout=10)
-        if p.proc.stdout:
-            p.proc.stdout.close()
+        p.close_output()
 
 
 @pytest.fixture(scope="module")

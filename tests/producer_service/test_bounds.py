@@ -426,7 +426,7 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
         ), (loaded, lent)  # fmt: skip
     finally:
         producer.proc.terminate()
-        output = producer.proc.communicate(timeout=30)[0]
+        output = producer.output()
     # 4,096 less 1,064 (1,000 connections and the margin), 17 (the metrics endpoint and its
     # connections), 2,092 (the data listener and 1,000 calls in flight) and 260 (the shm
     # socket's own and its connections)

@@ -156,8 +156,7 @@ def test_sigterm_during_bound_fetch_drains_it_and_exits_0(producer_process) -> N
     assert [m.chunk.data for m in rest[:-1]] == [payload[i] for i in range(1, 40)]
     assert rest[-1].done.status == pb.STATUS_OK
     assert producer.proc.wait(timeout=30) == 0
-    assert producer.proc.stdout is not None
-    log = producer.proc.stdout.read()
+    log = producer.output()
     assert "signal received" in log and "undrained_fetches=0" in log
 
 

@@ -353,7 +353,7 @@ def test_allow_insecure_starts_and_warns(producer_process) -> None:  # type: ign
     # Bound to a wildcard address but only probed over loopback.
     producer = producer_process(allow_insecure="true")
     producer.proc.terminate()
-    output = producer.proc.communicate(timeout=30)[0]
+    output = producer.output()
     assert producer.proc.returncode == 0
     assert "neither TLS nor tokens" not in output  # loopback listen: nothing to warn about
 
