@@ -45,7 +45,7 @@ from kvpark.shm import (
     split_call_id,
 )
 
-from ._errors import UsageError
+from ._errors import ClientClosedError, UsageError
 from ._timeouts import CONCLUSIVE_TIMEOUT_S
 
 log = logging.getLogger("kvpark.client")
@@ -119,7 +119,13 @@ class ShmAccess:
             raise UsageError(f"shared_buffer: expected a size in bytes > 0, got {nbytes!r}")
         buffer = SharedBuffer(nbytes)
         with self._lock:
-            self._buffers.append(buffer)
+            closed = self._closed
+            if not closed:
+                self._buffers.append(buffer)
+        if closed:
+            # close() has run: nothing would ever close this buffer but the garbage collector.
+            buffer.close()
+            raise ClientClosedError("shared_buffer: the client is closed")
         return buffer.array
 
     @property
