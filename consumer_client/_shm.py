@@ -70,6 +70,17 @@ HANDSHAKE_TIMEOUT_S = 2.0
 SETTLE_GRACE_S = 0.25
 
 
+def _staging_size(nbytes: int, old: SharedBuffer | None) -> int:
+    """The size of a new staging buffer for a load of `nbytes`: twice the old one's when that
+    is too small, so loads that grow a little at a time do not each pay for a new buffer; the
+    old one's when only a late copy retired it, so a buffer that was big enough does not grow."""
+    if old is None:
+        return nbytes
+    if old.nbytes < nbytes:
+        return max(nbytes, 2 * old.nbytes)
+    return old.nbytes
+
+
 class ShmAccess:
     def __init__(
         self,
@@ -187,7 +198,7 @@ class ShmAccess:
         buffer = old
         if buffer is None or buffer.nbytes < nbytes or tainted:
             try:
-                buffer = SharedBuffer(max(nbytes, 2 * (old.nbytes if old else 0)), "kvpark-staging")
+                buffer = SharedBuffer(_staging_size(nbytes, old), "kvpark-staging")
             except (OSError, MemoryError) as exc:
                 # Out of descriptors or memory: staging only saves copies, so this call goes
                 # over another path, which needs neither a new descriptor nor a second buffer.

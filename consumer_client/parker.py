@@ -407,25 +407,34 @@ class ParkBatch:
             self._check_open()  # a closed parker's batch is that first, as for `park`
             raise UsageError(EMPTY_BATCH)
         self._ended = True
-        if not self._route.started:
-            self._frames.send(self._route.opening())
         try:
-            while True:
-                for frame in [*self._route.flush(), self._route.frames.commit()]:
-                    self._frames.send(frame)
-                self._frames.send(_END)
-                try:
-                    raw = self._future.result()
-                    self.result = self._route.answered(self._outcome, raw)
-                except grpc.RpcError as exc:
-                    if self._went_inline():
-                        continue
-                    if exc.code() is grpc.StatusCode.CANCELLED:
-                        self._check_open()
-                    self.result = self._route.failed(self._outcome, exc.code(), exc.details())
-                return self.result
+            return self._committed()
+        except BaseException:
+            # abort() does nothing once the batch ended: an interrupt while frames are
+            # queued must not leave the call open, the producer holding the batch's pages.
+            self._future.cancel()
+            self._frames.close()
+            raise
         finally:
             self._route.finished()
+
+    def _committed(self) -> ParkResult:
+        if not self._route.started:
+            self._frames.send(self._route.opening())
+        while True:
+            for frame in [*self._route.flush(), self._route.frames.commit()]:
+                self._frames.send(frame)
+            self._frames.send(_END)
+            try:
+                raw = self._future.result()
+                self.result = self._route.answered(self._outcome, raw)
+            except grpc.RpcError as exc:
+                if self._went_inline():
+                    continue
+                if exc.code() is grpc.StatusCode.CANCELLED:
+                    self._check_open()
+                self.result = self._route.failed(self._outcome, exc.code(), exc.details())
+            return self.result
 
     def abort(self) -> None:
         """Undoes the batch: no commit is sent and the call is cancelled."""
@@ -749,33 +758,49 @@ class AsyncParkBatch:
             self._check_open()  # a closed parker's batch is that first, as for `park`
             raise UsageError(EMPTY_BATCH)
         self._ended = True
-        if not self._route.started:
-            await self._frames.send(self._route.opening())
         try:
-            while True:
-                for frame in [*self._route.flush(), self._route.frames.commit()]:
-                    await self._frames.send(frame)
-                await self._frames.send(_END)
-                try:
-                    raw = await self._call
-                    self.result = self._route.answered(self._outcome, raw)
-                except grpc.aio.AioRpcError as exc:
-                    if await self._went_inline():
-                        continue
-                    if exc.code() is grpc.StatusCode.CANCELLED:
-                        self._check_open()
-                    self.result = self._route.failed(self._outcome, exc.code(), exc.details())
-                except asyncio.CancelledError:
-                    # The parker's aclose() cancels the call; only the caller's own cancel
-                    # cancels the caller.
-                    if caller_cancelled():
-                        raise
-                    self._check_open()
-                    cancelled = grpc.StatusCode.CANCELLED
-                    self.result = self._route.failed(self._outcome, cancelled, "call cancelled")
-                return self.result
+            return await self._committed()
+        except BaseException:
+            # abort() does nothing once the batch ended: without this a cancel while frames
+            # are queued would leave the call open (the producer holding the batch's pages),
+            # or let a commit already queued commit the batch after its caller was cancelled.
+            # No await before the cancel: the writer sends no frame meanwhile.
+            self._call.cancel()
+            self._frames.close()
+            raise
         finally:
             self._route.finished()
+
+    async def _committed(self) -> ParkResult:
+        if not self._route.started:
+            await self._frames.send(self._route.opening())
+        while True:
+            await self._send_commit()
+            try:
+                raw = await self._call
+                self.result = self._route.answered(self._outcome, raw)
+            except grpc.aio.AioRpcError as exc:
+                if await self._went_inline():
+                    continue
+                if exc.code() is grpc.StatusCode.CANCELLED:
+                    self._check_open()
+                self.result = self._route.failed(self._outcome, exc.code(), exc.details())
+            except asyncio.CancelledError:
+                # The parker's aclose() cancels the call; only the caller's own cancel
+                # cancels the caller.
+                if caller_cancelled():
+                    raise
+                self._check_open()
+                cancelled = grpc.StatusCode.CANCELLED
+                self.result = self._route.failed(self._outcome, cancelled, "call cancelled")
+            return self.result
+
+    async def _send_commit(self) -> None:
+        """Queues the chunks still held back, the commit and the end of the stream."""
+        for frame in self._route.flush():
+            await self._frames.send(frame)
+        await self._frames.send_commit(self._route.frames.commit())
+        await self._frames.send(_END)
 
     def abort(self) -> None:
         """Undoes the batch: no commit is sent and the call is cancelled."""
@@ -815,10 +840,19 @@ class _AsyncCallFrames:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=_BATCH_QUEUE_FRAMES)
         self._closed = False
+        self._commit: Any = None
+        self._committer: asyncio.Task[Any] | None = None
 
     async def send(self, frame: Any) -> None:
         if not self._closed:
             await self._queue.put(frame)  # a close meanwhile makes room: this returns
+
+    async def send_commit(self, frame: Any) -> None:
+        """Queues the commit frame. The writer sends it only while the task that queued it is
+        not being cancelled: a cancel lands as that task waits to queue the end, and the
+        writer may run before the task does and cancels the call."""
+        self._commit, self._committer = frame, asyncio.current_task()
+        await self.send(frame)
 
     def send_nowait(self, frame: Any) -> None:
         self._queue.put_nowait(frame)
@@ -832,4 +866,7 @@ class _AsyncCallFrames:
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while (frame := await self._queue.get()) is not _END:
+            if frame is self._commit and self._committer and self._committer.cancelling():
+                # grpc cancels a call whose frames raise: the batch is undone, not committed
+                raise asyncio.CancelledError("the batch's commit was cancelled")
             yield frame
