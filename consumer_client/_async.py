@@ -11,6 +11,7 @@ latter always propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -108,6 +109,22 @@ def caller_cancelled() -> bool:
     being cancelled under it, by a watchdog or by closing the client)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+async def outlast(work: asyncio.Future[R]) -> R:
+    """Awaits `work` to its end, however often the caller is cancelled meanwhile, then raises
+    the cancel: what it waits for (a thread writing into the caller's memory, or the settle
+    that says no copy does any more) must be over before the caller may reuse that memory.
+    It is bounded: such a thread is stopped, a settle waits at most its own timeout."""
+    cancel: asyncio.CancelledError | None = None
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError as exc:
+            cancel = exc
+    if cancel is not None:
+        raise cancel
+    return work.result()
 
 
 class AsyncKVConsumer(ClientBase):
@@ -448,16 +465,15 @@ class AsyncKVConsumer(ClientBase):
             if not ended:
                 call.cancel()  # the producer's abort signal: the id goes back where it was
             if session.shm is not None and not finished:
-                # Cut off: a copy into the caller's memory may still run; wait it out. Marked
-                # so here, on the loop: a caller that cancels this wait as well ends the load
-                # before the settle's thread may have run, and the staging buffer must not go
-                # to the next load unmarked.
+                # Cut off: a copy into the caller's memory may still run; wait it out, through
+                # further cancels too, or a late copy could land after the load ended. Marked
+                # here on the loop as well, before the settle's thread runs, so the staging
+                # buffer is marked however that thread goes.
                 self._core.shm.expect_late_copies(session.shm.lend_id)
-                await asyncio.shield(
-                    asyncio.to_thread(
-                        self._core.shm.settle, session.shm.lend_id, session.settle_within_s()
-                    )
+                settle = functools.partial(
+                    self._core.shm.settle, session.shm.lend_id, session.settle_within_s()
                 )
+                await outlast(asyncio.ensure_future(asyncio.to_thread(settle)))
 
     async def _fed(self, session: LoadSession, raw: bytes) -> Step:
         """`session.feed(raw)`. A shared-memory load's messages name chunks already in memory:
@@ -504,7 +520,8 @@ class AsyncKVConsumer(ClientBase):
         except asyncio.CancelledError:
             if stop is not None:
                 stop()
-            await asyncio.gather(running, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await outlast(running)
             raise
         if step is not Step.DONE and self._core.closed_under(session):
             return Step.ABANDON
