@@ -2,7 +2,8 @@
 against real producers: a load cancelled while it lends the staging buffer gives it back, a
 load that needs a bigger staging buffer keeps to its timeout when the producer stopped
 answering, the copies out of the staging buffer run off the event loop, and a load cancelled
-twice, the second time while its cut-off call settles, ends only once the settle did.
+twice, the second time while its cut-off call settles, ends only once the settle did, and a
+staging buffer retired for a late copy is replaced by one of its size.
 """
 
 from __future__ import annotations
@@ -149,3 +150,39 @@ async def test_a_load_cancelled_again_while_it_settles_returns_once_the_settle_e
             with pytest.raises(asyncio.CancelledError):
                 await loading
             assert settled.is_set()
+
+
+@pytest.mark.timeout(60)
+async def test_a_staging_buffer_retired_for_a_late_copy_is_replaced_by_one_of_its_size(
+    shm_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cut-off load whose settle could not hear from the producer leaves the staging buffer
+    retired; the next load stages through a new one, no bigger than the loads need."""
+    async with running_producer(shm_socket=shm_socket) as server:
+        async with stub_for(server) as stub:
+            await park(stub, "half", {0: bytes(MiB)}, total=2)
+            await park(stub, "full", {0: bytes(MiB), 1: bytes(MiB)}, total=2)
+        async with AsyncKVConsumer(server.target, transport="shm", confirm=False) as consumer:
+            shm = consumer._core.shm
+            into = np.empty(2 * MiB, np.uint8)
+            assert (await consumer.load("full", num_chunks=2, into=into)).transport == "shm"
+            size = shm._staging.nbytes
+            # The settle runs out of time: a late copy may still land in the staging buffer.
+            monkeypatch.setattr(shm, "settle", lambda *_: None)
+            for _ in range(3):
+                first_landed = asyncio.Event()
+                loading = asyncio.create_task(
+                    consumer.load(
+                        "half", num_chunks=2, into=into, on_chunk=lambda *_, e=first_landed: e.set()
+                    )
+                )
+                await asyncio.wait_for(first_landed.wait(), 10)
+                loading.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await loading
+                assert shm._staging_tainted
+                staging = shm._staging
+                result = await consumer.load("full", num_chunks=2, into=into)
+                assert result.ok and result.transport == "shm", result
+                assert shm._staging is not staging, "a retired staging buffer was used again"
+                assert shm._staging.nbytes == size
