@@ -7,6 +7,8 @@ Tests build real objects (no stubs that bypass constructors) and wait for condit
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import os
 import shutil
 import socket
@@ -16,9 +18,10 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -31,6 +34,17 @@ from kvpark.producer.config import ProducerConfig
 from kvpark.producer.server import ProducerServer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def example(name: str) -> ModuleType:
+    """The example script `examples/<name>.py` as a module. examples/ is not a package and not
+    installed; its scripts import each other by name, so the folder goes on sys.path."""
+    folder = str(ROOT / "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 MiB = 1024 * 1024
 
 # Small, fast settings every test producer starts from; tests override what they exercise.
@@ -250,6 +264,28 @@ def start_producer_process(
     started = ProducerProcess(proc, target, Address.parse(metrics).port if metrics else 0)
     started.read_output()
     return started
+
+
+@contextmanager
+def process_producer(tmp_path: Path, **overrides: Any) -> Iterator[ProducerProcess]:
+    """`start_producer_process`, stopped (SIGTERM) and its output closed on the way out."""
+    p = start_producer_process(tmp_path, **overrides)
+    try:
+        yield p
+    finally:
+        p.proc.terminate()
+        p.proc.wait(timeout=10)
+        p.close_output()
+
+
+def memfds_held(pid: int, name: str) -> int:
+    """How many of process `pid`'s descriptors are the memfd `name`: a producer's mapping of
+    a lend holds one until it is unmapped."""
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} ")
+    return held
 
 
 @pytest.fixture

@@ -5,23 +5,10 @@ a ratio is positive; here the expected value is computed by hand."""
 from __future__ import annotations
 
 from kvpark.client.bench.report import document, table
-from kvpark.client.bench.sections import Row
 
-SIZE = 580_000_000
-META = {"ok": True, "failures": [], "verified_bytes": 0, "elapsed_s": 1.0,
-        "plan": {"size_bytes": SIZE, "chunk_bytes": [2**20], "reps": 3, "latency_tries": 0,
-                 "transports": ["tcp"], "quick": False},
-        "producer": {"own": True, "target": "127.0.0.1:1", "pid": 1, "version": "x"},
-        "versions": {"python": "3", "grpcio": "1", "numpy": "2", "kvpark": "0",
-                     "crc32c": "crc32c-rs"},
-        "cpus": 2}  # fmt: skip
+from .bench_samples import SIZE, meta, row
 
-
-def row(kind: str, seconds: list[float], transport: str | None = "tcp") -> Row:
-    r = Row(kind, transport, 2**20)
-    for s in seconds:
-        r.add(s, 0.1, 0.1)
-    return r
+META = meta(3)
 
 
 def test_concurrent_ratio_pairs_each_repetition_with_the_one_load_before_it() -> None:

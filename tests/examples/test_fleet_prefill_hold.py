@@ -10,26 +10,15 @@ port where none listens).
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import ROOT, ProducerProcess, free_port, start_producer_process
+from conftest import ProducerProcess, example, free_port, process_producer
 
 from kvpark import KVParker, Timeout
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def example(name: str) -> ModuleType:
-    # examples/ is not a package and not installed; its scripts import each other by name.
-    folder = str(ROOT / "examples")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
 
 
 fleet_prefill = example("fleet_prefill")
@@ -37,12 +26,8 @@ fleet_prefill = example("fleet_prefill")
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProducerProcess]:
-    p = start_producer_process(tmp_path_factory.mktemp("producer"))
-    try:
+    with process_producer(tmp_path_factory.mktemp("producer")) as p:
         yield p
-    finally:
-        p.proc.terminate()
-        p.proc.wait(10)
 
 
 def node_for(target: str, parker: KVParker) -> Any:

@@ -8,26 +8,15 @@ must not move `killed_at`, and a child that exited by itself is described as it 
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import ROOT, wait_for
+from conftest import example, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def example(name: str) -> ModuleType:
-    # examples/ is not a package and not installed; its scripts import each other by name.
-    folder = str(ROOT / "examples")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
 
 
 fleet_prefill = example("fleet_prefill")

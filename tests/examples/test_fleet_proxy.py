@@ -10,26 +10,15 @@ services that record what they were asked.
 
 from __future__ import annotations
 
-import importlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
-from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import example
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def example(name: str) -> ModuleType:
-    # examples/ is not a package and not installed; its scripts import each other by name.
-    folder = str(ROOT / "examples")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
 
 
 fleet_http = example("fleet_http")

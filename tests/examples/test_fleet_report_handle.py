@@ -7,24 +7,12 @@ way an address is written: an IPv6 host in brackets ([::1]:50051), not run into 
 
 from __future__ import annotations
 
-import importlib
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import example
 
 from kvpark import KVHandle
-
-
-def example(name: str) -> ModuleType:
-    # examples/ is not a package and not installed; its scripts import each other by name.
-    folder = str(ROOT / "examples")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
-
 
 fleet_report = example("fleet_report")
 

@@ -17,20 +17,24 @@ takes over.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
-from conftest import ROOT, ProducerProcess, start_producer_process, wait_for
+from conftest import (
+    ROOT,
+    ProducerProcess,
+    example,
+    process_producer,
+    wait_for,
+)
 
 from kvpark import KVConsumer, KVParker, LoadPath, Reason, State
 
@@ -43,27 +47,14 @@ SENTINEL = 0x7E  # every byte; 0x7E7E is a float16 NaN
 FETCH_METHOD = "/kvpark.v1.KVProducer/Fetch"
 
 
-def example(name: str) -> ModuleType:
-    # examples/ is not a package and not installed; its scripts import each other by name.
-    folder = str(ROOT / "examples")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
-
-
 reference_model = example("reference_model")
 park_with_stubs = example("park_with_stubs")
 
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProducerProcess]:
-    p = start_producer_process(tmp_path_factory.mktemp("producer"))
-    try:
+    with process_producer(tmp_path_factory.mktemp("producer")) as p:
         yield p
-    finally:
-        p.proc.terminate()
-        p.proc.wait(timeout=10)
-        p.close_output()
 
 
 @pytest.fixture(scope="module")

@@ -6,27 +6,16 @@ lent again. A real producer process; what it maps is read from /proc."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 
 import pytest
-from conftest import MiB, ProducerProcess, wait_for
+from conftest import MiB, ProducerProcess, memfds_held, wait_for
 
 from kvpark.shm import ALREADY_LENT, FETCH_ROLE, PARK_ROLE, SharedBuffer, ShmLender, ShmRefused
 
 # Lends of one buffer tried over each connection: far fewer than the 64 a connection may hold.
 TRIES = 16
-
-
-def memfds_held(pid: int, name: str) -> int:
-    """How many of process `pid`'s descriptors are the memfd `name`: each mapping of a lend
-    holds one."""
-    held = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} ")
-    return held
 
 
 def test_a_memfd_lent_already_is_refused_over_any_connection_until_released(

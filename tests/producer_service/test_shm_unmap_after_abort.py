@@ -7,27 +7,16 @@ so no allocation of its own runs the collector; what it maps is read from /proc.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 
 import grpc
 import pytest
-from conftest import MiB, ProducerProcess, channel_options, park_requests, wait_for
+from conftest import MiB, ProducerProcess, channel_options, memfds_held, park_requests, wait_for
 
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.pb import kvpark_pb2_grpc as pb_grpc
 from kvpark.shm import FETCH_ROLE, SharedBuffer, ShmLender
-
-
-def memfds_held(pid: int, name: str) -> int:
-    """How many of process `pid`'s descriptors are the memfd `name`: a mapping of a lend holds
-    one until it is unmapped."""
-    held = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name} ")
-    return held
 
 
 def test_a_lend_released_after_an_out_of_range_fetch_is_unmapped(
