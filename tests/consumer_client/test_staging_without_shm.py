@@ -6,6 +6,7 @@ over the gRPC stream without allocating (and keeping) a buffer the size of the l
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import numpy as np
@@ -36,6 +37,9 @@ async def test_no_staging_buffer_where_shared_memory_cannot_be_used(
     async with running_producer() as server:  # no shm socket of its own
 
         def park_and_load() -> None:
+            # An earlier test's client, unreachable but not yet collected, may still hold a
+            # staging buffer that would close mid-count.
+            gc.collect()
             before = staging_buffers()
             with (
                 KVParker(server.target, shm_socket=client_socket) as parker,
