@@ -349,8 +349,8 @@ class KVConsumer(ClientBase):
 
     def _run(self, session: LoadSession, confirm: bool | None) -> LoadResult:
         """Runs a load: its transport, the fallback to the gRPC stream, the confirmation."""
-        _, fetch = self._stubs()
         try:
+            _, fetch = self._stubs()  # a client closed meanwhile raises: the session ends too
             try:
                 self._stream(fetch, session)
             except Fallback as why:
