@@ -83,10 +83,16 @@ class KVProducerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Consumer pulls chunks of one id, in the requested order, as they become available. The
-        last message of every accepted stream is a TransferDone. Cancelling the call (deadline,
-        cancel, disconnect) returns the id to where it was (PARKED with its old lease, or
-        DELIVERED). Requires the fetch token.
+        """Consumer pulls chunks of one id, in the requested order, as they become available. A
+        stream that ends with status OK ends with a TransferDone, successful or not. A bound Fetch
+        whose bytes cannot reach the consumer is cut off with a status and no TransferDone, and
+        delivers nothing: DEADLINE_EXCEEDED when the consumer read nothing, or did not connect to
+        the data address, for fetch_stall_timeout_s (the id goes back to where it was with a fresh
+        timer); UNAVAILABLE when the data connection broke, OUT_OF_RANGE when the lent shm range is
+        too small, INVALID_ARGUMENT when the lent buffer was released as the Fetch took it (the id
+        goes back as on a cancel). Cancelling the call (deadline, cancel, disconnect) returns the
+        id to where it was (PARKED with its old lease, or DELIVERED). docs/protocol.md, Fetch, has
+        the details. Requires the fetch token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
