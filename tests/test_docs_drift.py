@@ -1,4 +1,5 @@
-"""Drift tests: what the README promises must agree with the code and with what CI runs."""
+"""Drift tests: what the README and the protocol promise must agree with the code and with what
+CI runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from kvpark.producer.pool import HostPool
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+PROTOCOL = (ROOT / "docs" / "protocol.md").read_text()
+PROTO = (ROOT / "protos" / "kvpark" / "v1" / "kvpark.proto").read_text()
 
 
 def test_readme_configuration_table_lists_exactly_the_keys() -> None:
@@ -62,3 +65,24 @@ def test_readme_demo_command_names_the_compose_service() -> None:
     assert re.search(rf"^  {re.escape(match.group(1))}:", compose, re.M), (
         "README names a service compose lacks"
     )
+
+
+def test_protocol_lists_exactly_the_grpc_codes_the_producer_sends() -> None:
+    # Other teams' clients decide what each status means from these two texts: a code the
+    # producer starts sending must reach the normative table and the proto's opening comment.
+    sent: set[str] = set()
+    for path in (ROOT / "producer_service").glob("*.py"):
+        sent |= set(re.findall(r"\bStatusCode\.([A-Z_]+)", path.read_text()))
+    assert sent, "found no status code in producer_service: the pattern drifted"
+    section = PROTOCOL.split("## Outcomes", 1)[1].split("\n## ", 1)[0]
+    documented: set[str] = set()
+    for codes, sent_by in re.findall(r"^\| ((?:`[A-Z_]+`(?:, )?)+) \| ([^|]+) \|", section, re.M):
+        if "producer" in sent_by:
+            documented |= set(re.findall(r"`([A-Z_]+)`", codes))
+    assert documented == sent, (
+        f"protocol.md Outcomes lists {sorted(documented - sent)} the producer does not send; "
+        f"the producer sends {sorted(sent - documented)} it does not list"
+    )
+    opening = PROTO.split("\nsyntax", 1)[0]
+    missing = sorted(code for code in sent if not re.search(rf"\b{code}\b", opening))
+    assert not missing, f"the proto's opening comment does not name {missing}"
