@@ -38,6 +38,12 @@ KEEPALIVE_TIMEOUT_MS = 2_000
 # (Not grpc.min_reconnect_backoff_ms: grpc core also uses it as the minimum time a connection
 # attempt may take, default 20 s; lowering it fails slow handshakes, e.g. TLS on a busy node.)
 RECONNECT_BACKOFF_MS = (100, 2_000)  # initial, max
+# How soon a channel that lost its producer may look its name up again. grpc's default is
+# 30 s: a producer rescheduled under the same DNS name on another host (a pod, a compose
+# service's new container) would stay unreachable that long, every load failing over to
+# recompute, while a fresh channel reaches it at once. One lookup a second while failing costs
+# the resolver nothing.
+DNS_RESOLUTION_MIN_MS = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,7 @@ class ChannelSettings:
             "grpc.http2.max_pings_without_data": 0,
             "grpc.initial_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[0],
             "grpc.max_reconnect_backoff_ms": RECONNECT_BACKOFF_MS[1],
+            "grpc.dns_min_time_between_resolutions_ms": DNS_RESOLUTION_MIN_MS,
             # Larger HTTP/2 frames and socket reads for multi-MiB chunks: fewer, bigger copies
             # in gRPC's receive path (docs/performance.md: -12 % client CPU per GB).
             "grpc.http2.max_frame_size": 16 * 1024 * 1024 - 1,
