@@ -107,7 +107,7 @@ def _check_tls_material(config: ProducerConfig) -> None:
         except ssl.SSLError as exc:
             raise ConfigError(
                 f"tls_client_ca_file: {show(config.tls_client_ca_file)} holds no usable CA "
-                f"certificate: {exc.reason}",
+                f"certificate: {exc.reason or exc}",  # a PEM that does not decode has no reason
                 keys=("tls_client_ca_file",),
             ) from None
 

@@ -676,8 +676,9 @@ def test_tls_material_that_a_server_cannot_use_is_a_config_error(tmp_path: Path)
                       (certs.server_cert, other.server_key)):  # fmt: skip
         with pytest.raises(ConfigError, match=r"^tls_cert_file / tls_key_file: not a usable"):
             load_credentials(config(cert, key))
-    with pytest.raises(ConfigError, match=r"^tls_client_ca_file: .* holds no usable CA"):
+    with pytest.raises(ConfigError, match=r"^tls_client_ca_file: .* holds no usable CA") as bad:
         load_credentials(config(certs.server_cert, certs.server_key, garbage))
+    assert not str(bad.value).endswith("None"), "says what is wrong with the file"
 
 
 # --- exposure rule ------------------------------------------------------------------------
