@@ -201,6 +201,9 @@ class ParkBatch:
     # Slots being filled from a lent buffer by a worker thread: the batch owns them, and they
     # are freed only by `end_fill`, never under the thread that writes them.
     filling: set[SlotHandle] = field(default_factory=set)
+    # The call waits for its own copies from a lent buffer (`begin_copy_wait`) and reads no
+    # message meanwhile: the client cannot be silent then, so the idle clock stands still.
+    waiting_for_copies: bool = False
     failed: Refusal | None = None
     done: bool = False
     # Set by the servicer: called when the batch is undone from outside its own call.
@@ -549,6 +552,19 @@ class Lot:
         batch.held_pages += self.pool.pages_for(handle.nbytes)
         self._pending_bytes += handle.nbytes
         return None
+
+    def begin_copy_wait(self, batch: ParkBatch) -> None:
+        """The batch's call stops reading its stream to wait for copies it started
+        (`begin_fill`): however long they take, the time is the producer's, not the client's
+        silence, so `park_idle_timeout_s` does not run out meanwhile (`max_lease_s` still
+        does)."""
+        batch.waiting_for_copies = True
+
+    def end_copy_wait(self, batch: ParkBatch) -> None:
+        """The wait ended: the client's idle clock starts over, so it has a whole
+        `park_idle_timeout_s` from when the producer reads its stream again."""
+        batch.waiting_for_copies = False
+        batch.last_activity = self.clock()
 
     def stored_views(self, resent: Resent) -> list[memoryview]:
         """The stored bytes a re-sent chunk is compared with."""
@@ -1104,13 +1120,13 @@ class Lot:
     def _expire_idle_batches(self, now: float) -> None:
         idle_s = self.settings.park_idle_timeout_s
         open_s = self.settings.max_lease_s
-        stale = [
-            b
-            for b in self._open_batches
-            if now - b.last_activity >= idle_s or now - b.opened_at >= open_s
-        ]
+
+        def silent(b: ParkBatch) -> bool:
+            return not b.waiting_for_copies and now - b.last_activity >= idle_s
+
+        stale = [b for b in self._open_batches if silent(b) or now - b.opened_at >= open_s]
         for batch in stale:
-            if now - batch.last_activity >= idle_s:
+            if silent(batch):
                 detail = f"the Park stream sent nothing for {idle_s:g}s (park_idle_timeout_s)"
             else:
                 detail = f"the Park stayed open {open_s:g}s without a commit (max_lease_s)"

@@ -9,7 +9,8 @@ kept, whatever the client does to its buffer meanwhile), and the lot checks and 
 compared with the stored bytes instead (`end_compare`), taking no pages, as inline. A few jobs
 run at once, so reading the next message overlaps the copies; the
 commit waits for all of them, and a batch cut off waits for its threads before their pages
-can go back.
+can go back. While the call waits for its copies it reads no message, so the lot does not count
+that time as the client's silence (`Lot.begin_copy_wait`).
 """
 
 from __future__ import annotations
@@ -164,7 +165,12 @@ class LentChunks:
 
     async def _end_oldest(self) -> Refusal | None:
         job, fills = self._groups[0]
-        ends = await wait(job)  # cancelled: the group stays for `drain`
+        # Meanwhile no message of the client's is read: the wait is not its silence.
+        self._lot.begin_copy_wait(self._batch)
+        try:
+            ends = await wait(job)  # cancelled: the group stays for `drain`
+        finally:
+            self._lot.end_copy_wait(self._batch)
         self._groups.popleft()
         for i, ((ref, handle), (crc, same)) in enumerate(zip(fills, ends, strict=True)):
             given = ref.crc32c if ref.HasField("crc32c") else None

@@ -983,6 +983,55 @@ def test_a_batch_that_re_sends_a_chunk_forever_is_undone_after_max_lease(rig: Ri
     rig.assert_stored(0)
 
 
+def test_a_batch_waiting_for_its_copies_is_not_silent_yet_ends_after_max_lease(
+    rig: Rig,
+) -> None:
+    """A Park by reference whose call waits for the copies it started reads none of the
+    client's messages meanwhile: however long the copies take, that is not the client's
+    silence, and once the wait ends the client has a whole park_idle_timeout_s again. A batch
+    open max_lease_s is undone all the same."""
+    batch = rig.begin("c", total=1)
+    data = blob("c", 0)
+    filled = rig.lot.begin_fill(batch, 0, len(data))
+    assert isinstance(filled, tuple), filled
+    handle, views = filled
+    rig.lot.begin_copy_wait(batch)
+    rig.advance(50)  # five idle bounds of copying
+    assert rig.reap() == []
+    assert rig.woken == [] and rig.stats().open_batches == 1
+    at = 0
+    for view in views:  # what the data thread does
+        view[:] = data[at : at + len(view)]
+        at += len(view)
+    rig.lot.end_copy_wait(batch)
+    crc = crc32c_of(data)
+    assert rig.lot.end_fill(batch, 0, handle, crc, crc) is None
+    rig.advance(9.5)
+    rig.reap()
+    assert rig.woken == []
+    rig.advance(0.5)
+    rig.reap()
+    assert rig.woken == [batch]
+    assert "park_idle_timeout_s" in assert_refused(rig.commit(batch), NOT_COMMITTED).detail
+    rig.assert_pool_empty()
+
+    long = rig.begin("l", total=1)
+    filled = rig.lot.begin_fill(long, 0, SIZE)
+    assert isinstance(filled, tuple), filled
+    rig.lot.begin_copy_wait(long)
+    rig.advance(599)
+    rig.reap()
+    assert rig.woken == [batch]
+    rig.advance(1)
+    rig.reap()
+    assert rig.woken == [batch, long]
+    rig.lot.end_copy_wait(long)
+    refusal = assert_refused(rig.lot.end_fill(long, 0, filled[0], None, 0), NOT_COMMITTED)
+    assert "max_lease_s" in refusal.detail
+    rig.assert_pool_empty()
+    assert rig.stats().idle_batches_total == 2
+
+
 def test_keepalive_does_not_renew_an_open_batch(rig: Rig) -> None:
     batch = rig.begin("k")
     rig.chunk(batch, 0, blob("k", 0))
