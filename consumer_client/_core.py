@@ -36,6 +36,7 @@ from ._channel import ChannelSettings
 from ._data_connections import DataConnections
 from ._errors import ClientClosedError, LoadFailedError, RPCError, UsageError, error_for
 from ._models import IdStatus, ProducerInfo
+from ._park import ParkResult
 from ._result import POLICIES, LoadReport, LoadResult, Reason
 from ._session import LoadSession, OnChunk, ShmTarget
 from ._shm import ShmAccess
@@ -198,6 +199,11 @@ class ClientCore:
         with self._lock:
             if epoch and self.info is not None and self.info.producer_epoch != epoch:
                 self.info = None
+
+    def note_park(self, result: ParkResult) -> None:
+        """What a Park call's ending says of the producer: an answer names its process's
+        epoch. Every park result goes through here, a `park()`'s and a `batch()`'s alike."""
+        self.note_epoch(result.producer_epoch)
 
     def check_timeout(self, timeout: Timeout) -> None:
         """Warns once per client if `timeout` can outlast the producer's tombstones."""

@@ -325,10 +325,14 @@ class ParkOutcome:
         clock: Callable[[], float],
         *,
         producer: str = "",
+        noted: Callable[[ParkResult], None] | None = None,
     ) -> None:
         self.kv_request_id = kv_request_id
         # The parker's target, the address a handle names when the producer advertises none.
         self.producer = producer
+        # Told every result made here, a `park()`'s and a `batch()`'s alike: what a call's
+        # ending says of the producer (a new process) is learnt from either.
+        self._noted = noted
         self._clock = clock
         self.started = clock()
         self._deadline = None if deadline_s is None else self.started + deadline_s
@@ -340,7 +344,7 @@ class ParkOutcome:
     def answered(self, reply: pb.ParkResponse, transport: str = "grpc") -> ParkResult:
         self.attempts += 1
         ok = reply.status == pb.STATUS_OK
-        return ParkResult(
+        result = ParkResult(
             kv_request_id=self.kv_request_id,
             ok=ok,
             reason=None if ok else Reason.from_proto(reply.reason),
@@ -357,6 +361,7 @@ class ParkOutcome:
             elapsed_s=self._clock() - self.started,
             transport=transport,
         )
+        return self._note(result)
 
     def failed(
         self, code: grpc.StatusCode | None, details: str, transport: str = "grpc"
@@ -371,7 +376,7 @@ class ParkOutcome:
             rule = StatusRule(code, Reason.RPC_ERROR, rule.error)
         elif rule.load_reason is None:
             raise error_for(code, details, f"Park {self.kv_request_id!r}")
-        return ParkResult(
+        result = ParkResult(
             kv_request_id=self.kv_request_id,
             ok=False,
             reason=rule.load_reason,
@@ -382,6 +387,12 @@ class ParkOutcome:
             grpc_code=rule.code,
             transport=transport,
         )
+        return self._note(result)
+
+    def _note(self, result: ParkResult) -> ParkResult:
+        if self._noted is not None:
+            self._noted(result)
+        return result
 
     def retry_wait_s(self, result: ParkResult) -> float | None:
         """Seconds to wait before trying again, or None to stop: only POOL_FULL is retried,

@@ -117,7 +117,8 @@ def _park_core(
 def _outcome(core: ClientCore, kid: str, timeout: TimeoutArg) -> ParkOutcome:
     deadline_s = resolve(timeout, core.timeout).total_s
     dialed = target_address(core.channel.target)
-    return ParkOutcome(kid, deadline_s, monotonic, producer=str(dialed) if dialed else "")
+    producer = str(dialed) if dialed else ""
+    return ParkOutcome(kid, deadline_s, monotonic, producer=producer, noted=core.note_park)
 
 
 async def _planned(
@@ -252,9 +253,7 @@ class KVParker(ClientBase):
             if exc.code() is grpc.StatusCode.CANCELLED:
                 self._core.check_open()
             return outcome.failed(exc.code(), exc.details() or "", transport)
-        result = outcome.answered(pb.ParkResponse.FromString(raw), transport)
-        self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
-        return result
+        return outcome.answered(pb.ParkResponse.FromString(raw), transport)
 
     def batch(
         self,
@@ -601,9 +600,7 @@ class AsyncKVParker(ClientBase):
                 raise
             self._core.check_open()
             return outcome.failed(grpc.StatusCode.CANCELLED, "call cancelled", transport)
-        result = outcome.answered(pb.ParkResponse.FromString(raw), transport)
-        self._core.note_epoch(result.producer_epoch)  # a restarted producer: read it again
-        return result
+        return outcome.answered(pb.ParkResponse.FromString(raw), transport)
 
     def batch(
         self,
