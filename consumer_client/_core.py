@@ -201,9 +201,11 @@ class ClientCore:
                 self.info = None
 
     def note_park(self, result: ParkResult) -> None:
-        """What a Park call's ending says of the producer: an answer names its process's
-        epoch. Every park result goes through here, a `park()`'s and a `batch()`'s alike."""
+        """What a Park call's ending says of the producer, as for a load (`finish_load`): an
+        answer names its process's epoch, and UNAVAILABLE may mean a new process. Every park
+        result goes through here, a `park()`'s and a `batch()`'s alike."""
         self.note_epoch(result.producer_epoch)
+        self.note_status(result.grpc_code, result.reason)
 
     def check_timeout(self, timeout: Timeout) -> None:
         """Warns once per client if `timeout` can outlast the producer's tombstones."""

@@ -1,7 +1,8 @@
 """`KVParker` / `AsyncKVParker` against a real producer, sync and async: a list park and a
 streaming batch committed on exit; an exception inside a batch leaves nothing parked;
-POOL_FULL retried until room frees within the timeout, or a typed result past it; the CRC32C
-computed by the library and carried on the wire; gather lists and id pairs."""
+POOL_FULL retried until room frees within the timeout, or a typed result past it; a park or
+batch that finds the producer gone forgets its ServerInfo; the CRC32C computed by the library
+and carried on the wire; gather lists and id pairs."""
 
 from __future__ import annotations
 
@@ -197,6 +198,49 @@ async def test_a_refused_batch_says_so_at_put_and_in_its_result() -> None:
                 await wait_until(lambda: batch.done, what="the refusal")
                 assert not await batch.put(0, b"x")
         assert batch.result is not None and batch.result.reason is Reason.RELEASED
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("how", ["park", "batch"])
+async def test_a_park_that_finds_the_producer_gone_forgets_its_server_info(
+    flavour: str, how: str
+) -> None:
+    """UNAVAILABLE may mean a new producer process is coming: a `park()` or a `batch()` that
+    ends so makes the parker forget the ServerInfo it read, as a load does, so that its next
+    lend is checked against the epoch of whatever process answers next."""
+    data = blocks(2, 1000)
+    async with running_producer() as server:
+        if flavour == "sync":
+            parker: Any = KVParker(server.target, timeout=5)
+            await asyncio.to_thread(parker.server_info)
+        else:
+            parker = AsyncKVParker(server.target, timeout=5)
+            await parker.server_info()
+        assert parker.info is not None
+    try:
+        if flavour == "sync":
+
+            def run() -> ParkResult | None:
+                if how == "park":
+                    return parker.park("gone", data)
+                with parker.batch("gone", total_chunks=2) as batch:
+                    for cid, block in enumerate(data):
+                        batch.put(cid, block)
+                return batch.result
+
+            result = await asyncio.to_thread(run)
+        elif how == "park":
+            result = await parker.park("gone", data)
+        else:
+            async with parker.batch("gone", total_chunks=2) as batch:
+                for cid, block in enumerate(data):
+                    await batch.put(cid, block)
+            result = batch.result
+        info = parker.info
+    finally:
+        await parker.aclose() if flavour == "async" else parker.close()
+    assert result is not None and result.grpc_code is grpc.StatusCode.UNAVAILABLE, result
+    assert info is None
 
 
 # ==================================================================================== wire
