@@ -20,30 +20,24 @@ from typing import Any
 
 import pytest
 from conftest import FakeClock, fetch_all, running_producer, state_of, stub_for, wait_until
+from shm_support import PAGE, lent
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
 from kvpark.producer import shm_park
 from kvpark.producer.server import ProducerServer
-from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
+from kvpark.shm import SharedBuffer
 
-PAGE = 256 * 1024
 IDLE_S = 1.0  # park_idle_timeout_s, on the lot's FakeClock
 
 
 @asynccontextmanager
-async def lent(shm_socket: str, pages: int) -> AsyncIterator[tuple[SharedBuffer, str]]:
-    """A shared buffer of `pages` pages, each filled with its own byte, lent for Park."""
-    buffer = SharedBuffer(pages * PAGE)
-    for c in range(pages):
-        buffer.array[c * PAGE : (c + 1) * PAGE] = 65 + c
-    lender = ShmLender(shm_socket, None, 5.0)
-    try:
-        await asyncio.to_thread(lender.connect)
-        yield buffer, await asyncio.to_thread(lender.lend, buffer, PARK_ROLE)
-    finally:
-        lender.close()
-        buffer.close()
+async def filled(shm_socket: str, pages: int) -> AsyncIterator[tuple[SharedBuffer, str]]:
+    """A lent buffer of `pages` pages, each filled with its own byte."""
+    async with lent(shm_socket, pages) as (buffer, lend_id):
+        for c in range(pages):
+            buffer.array[c * PAGE : (c + 1) * PAGE] = 65 + c
+        yield buffer, lend_id
 
 
 def refs_message(buffer: SharedBuffer, chunk_ids: range) -> pb.ParkRequest:
@@ -127,7 +121,7 @@ async def test_a_park_by_reference_commits_however_long_the_producer_copies(
     async with (
         running_producer(clock, **settings(shm_socket)) as server,
         stub_for(server) as stub,
-        lent(shm_socket, messages) as (buffer, lend_id),
+        filled(shm_socket, messages) as (buffer, lend_id),
     ):
         held = HeldCopies(server, monkeypatch)
         requests = [
@@ -165,7 +159,7 @@ async def test_a_park_by_reference_whose_client_falls_silent_is_still_undone(
     async with (
         running_producer(clock, **settings(shm_socket)) as server,
         stub_for(server) as stub,
-        lent(shm_socket, 2) as (buffer, lend_id),
+        filled(shm_socket, 2) as (buffer, lend_id),
     ):
         held = HeldCopies(server, monkeypatch)
         held.release()  # copies run at once

@@ -9,20 +9,15 @@ Real producer, generated stubs, a real lend over the shm socket."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import grpc
 import pytest
 from conftest import fetch_all, park, running_producer, state_of, stub_for
+from shm_support import PAGE, lent
 
 from kvpark.checksum import crc32c_of
 from kvpark.pb import kvpark_pb2 as pb
-from kvpark.shm import PARK_ROLE, SharedBuffer, ShmLender
+from kvpark.shm import SharedBuffer
 from kvpark.wire import MAX_CHUNK_REFS_BYTES, MAX_REFS_PER_MESSAGE
-
-PAGE = 256 * 1024
 
 
 def by_reference(kid: str, lend_id: str, chunks: dict[int, bytes]) -> list[pb.ParkRequest]:
@@ -37,19 +32,6 @@ def by_reference(kid: str, lend_id: str, chunks: dict[int, bytes]) -> list[pb.Pa
         pb.ParkRequest(chunk_refs=pb.ChunkRefs(refs=refs)),
         pb.ParkRequest(commit=commit),
     ]
-
-
-@asynccontextmanager
-async def lent(shm_socket: str, pages: int) -> AsyncIterator[tuple[SharedBuffer, str]]:
-    """A shared buffer of `pages` pages lent to the producer for Park."""
-    buffer = SharedBuffer(pages * PAGE)
-    lender = ShmLender(shm_socket, None, 5.0)
-    try:
-        await asyncio.to_thread(lender.connect)
-        yield buffer, await asyncio.to_thread(lender.lend, buffer, PARK_ROLE)
-    finally:
-        lender.close()
-        buffer.close()
 
 
 def write(buffer: SharedBuffer, chunks: dict[int, bytes]) -> None:
