@@ -76,6 +76,7 @@ class FrameWriter:
         self._header_left = 0  # bytes of the current frame's header not sent yet
         self.sent_bytes = 0
         self.payload_bytes = 0  # of `sent_bytes`, chunk bytes (not frame headers)
+        self.frames_written = 0  # frames sent whole, from the first
         self.gave_way = False  # the last `write` stopped because `give_way` said so
 
     def write(self, sock: socket.socket, give_way: Callable[[int], bool] | None = None) -> bool:
@@ -114,6 +115,8 @@ class FrameWriter:
             self._header_left -= header
             self.payload_bytes += sent - header
             _consume(self._buffers, sent)
+            if not self._buffers:
+                self.frames_written += 1
 
 
 def _frame_buffers(chunk_id: int, crc32c: int, views: Sequence[memoryview]) -> list[memoryview]:

@@ -92,6 +92,7 @@ def test_a_write_to_a_reader_that_stops_pauses_and_resumes_where_it_stopped(
         if writer.sent_bytes == paused_at:
             break
     assert paused_at < CHUNKS * CHUNK_BYTES
+    assert writer.frames_written == paused_at // (16 + CHUNK_BYTES)  # whole frames only
 
     received: list[tuple[int, int, bytes]] = []
     reading = threading.Thread(target=lambda: received.extend(read_all(reader_sock)))
@@ -103,6 +104,7 @@ def test_a_write_to_a_reader_that_stops_pauses_and_resumes_where_it_stopped(
     assert not reading.is_alive()
     assert received == [(cid, crc, b"".join(views)) for cid, crc, views in sent]
     assert writer.sent_bytes == CHUNKS * (16 + CHUNK_BYTES)
+    assert writer.frames_written == CHUNKS
 
 
 def test_a_write_gives_way_between_frames_and_resumes_where_it_stopped(
@@ -125,6 +127,7 @@ def test_a_write_gives_way_between_frames_and_resumes_where_it_stopped(
 
     assert writer.write(writer_sock, after_two_frames) is False and writer.gave_way
     assert writer.sent_bytes == 2 * (16 + CHUNK_BYTES)  # exactly at a frame boundary
+    assert writer.frames_written == 2
     assert asked == [0, 16 + CHUNK_BYTES, 2 * (16 + CHUNK_BYTES)]
     assert writer.write(writer_sock) is True and not writer.gave_way
     writer_sock.close()
