@@ -2,10 +2,11 @@
 
 Pure logic with an injectable clock and no gRPC: the servicer translates RPCs into calls here
 and answers with the decisions returned. Everything runs on one thread (the server's event
-loop), so there are no locks; the only outward hooks are two callbacks: a bound Fetch's
-`notify` (something it may wait for changed) and an open Park batch's `wake` (the batch was
-ended from outside its own call, so its handler should answer now rather than at the client's
-next message). docs/protocol.md states the contract this implements.
+loop), so there are no locks; the only outward hooks are three callbacks: a bound Fetch's
+`notify` (something it may wait for changed) and `cut_short` (the shutdown grace ended its id:
+stop the batch being sent), and an open Park batch's `wake` (the batch was ended from outside
+its own call, so its handler should answer now rather than at the client's next message).
+docs/protocol.md states the contract this implements.
 
 Life of an id:
 
@@ -232,6 +233,8 @@ class FetchBinding:
     bytes_sent: int = 0
     failed: Refusal | None = None
     active: bool = True
+    # Set by the servicer once the Fetch sends: called when the shutdown grace ends the id.
+    cut_short: Notify | None = None
 
     def remaining(self) -> int | None:
         """Requested chunks not handed out yet; None while "all chunks" has no known total."""
@@ -902,6 +905,12 @@ class Lot:
         if binding.active:
             binding.wait_deadline = self.clock() + binding.wait_s
 
+    def not_sent(self, binding: FetchBinding, chunks: Sequence[ReadyChunk]) -> None:
+        """Chunks handed out that never reached the consumer whole (a batch cut short when
+        the producer stopped): the Fetch's end does not count them as sent."""
+        binding.chunks_sent -= len(chunks)
+        binding.bytes_sent -= sum(step.nbytes for step in chunks)
+
     def fetch_wait_expired(self, binding: FetchBinding) -> FetchEnd:
         """Nothing became available to send for the binding's whole wait."""
         if binding.failed is not None:  # the id ended meanwhile (shutdown): that is the cause
@@ -1273,9 +1282,15 @@ class Lot:
         return next_id is not None and next_id not in binding.entry.chunks
 
     def fail_all(self, reason: Reason = SHUTTING_DOWN) -> int:
-        """Ends every live id with `reason` (what remains after the shutdown grace)."""
+        """Ends every live id with `reason` (what remains after the shutdown grace). A Fetch
+        still bound is also cut short: the batch it is sending may take far longer than the
+        server then gives its calls to end, and its TransferDone must go out before."""
         entries = list(self._entries.values())
+        bound = [entry.binding for entry in entries if entry.binding is not None]
         self._end_entries(entries, reason, self.clock())
+        for binding in bound:
+            if binding.cut_short is not None:
+                binding.cut_short()
         return len(entries)
 
     @property

@@ -435,7 +435,8 @@ class ProducerServer:
             "shutting down",
             extra={"kv": {"undrained_fetches": remaining, "ids_failed": failed}},
         )
-        # The failed Fetches were woken and send their TransferDone; give them a moment.
+        # The failed Fetches were woken (one in the middle of a batch cuts it short) and send
+        # their TransferDone; give them a moment.
         await self._server.stop(1.0)
         if self._reaper is not None:
             self._reaper.cancel()

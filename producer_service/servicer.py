@@ -54,6 +54,7 @@ from .transports import (
     BATCH_GROWTH,
     FIRST_BATCH_BYTES,
     WHOLE_BATCH_CHUNKS,
+    CutShort,
     Destination,
     GrpcStream,
     ShmStream,
@@ -312,6 +313,7 @@ class KVProducerServicer:
                         await _invalid(context, f"{LEND_ENDED} before the Fetch used it")
                 destination = await self._open(transport, binding, request, lent, context)
                 held.callback(destination.close)
+                binding.cut_short = destination.cut_short
                 batch_bytes = FIRST_BATCH_BYTES
                 while True:
                     if destination.whole_batches:
@@ -478,6 +480,8 @@ class KVProducerServicer:
             self._lot.sent(binding)
         except Stalled:
             self._stalled(binding, kid, context)
+        except CutShort as cut:  # the shutdown grace ended its id: the TransferDone follows
+            self._lot.not_sent(binding, chunks[cut.chunks :])
         except OSError as exc:  # the data connection broke: the consumer closed or reset it
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the data connection broke: {exc}")
         finally:

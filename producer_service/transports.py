@@ -69,6 +69,15 @@ class Stalled(Exception):
     """The consumer took nothing for fetch_stall_timeout_s."""
 
 
+class CutShort(Exception):
+    """The batch stopped short because the producer is stopping (`Destination.cut_short`):
+    `chunks` of it, from the first, reached the consumer whole."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__(f"{chunks} chunks of the batch sent before it was cut short")
+        self.chunks = chunks
+
+
 class Destination(Protocol):
     transport: pb.Transport
     # True: a batch may be every ready chunk (the destination shares its thread by itself).
@@ -84,6 +93,12 @@ class Destination(Protocol):
 
     def close(self) -> None:
         """The Fetch is over, however it ended; idempotent."""
+
+    def cut_short(self) -> None:
+        """The shutdown grace is over: a batch being sent stops as soon as it safely can and
+        its `send` raises CutShort, so that the Fetch's TransferDone goes out before the
+        server cancels the call. A batch can take far longer than the server gives its calls
+        to end (a whole id over TCP; 64 MiB over gRPC, to a consumer that reads slowly)."""
 
 
 async def write_watched(
@@ -112,6 +127,7 @@ class GrpcStream:
         self._stall_s = stall_s
         self._on_stall = on_stall
         self._cut_off = False
+        self._cut_short = False
         self.sent_bytes = 0
 
     def _stalled(self) -> None:
@@ -119,12 +135,16 @@ class GrpcStream:
         self._on_stall()
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
-        for step in chunks:
+        for written, step in enumerate(chunks):
             if self._cut_off:
                 # The watchdog gave the id back while an earlier write of this batch waited:
                 # a Release and a new Park may since have put another id's bytes in these
                 # pages, so not one more view of the batch is read.
                 raise Stalled
+            if self._cut_short:
+                # Between two messages: a write cannot be taken back, so the one under way
+                # when the grace ended went out whole, and the stream stays well formed.
+                raise CutShort(written)
             frame = wire.encode_fetch_chunk(step.chunk_id, step.crc32c, step.views)
             await write_watched(self._context, frame, self._stall_s, self._stalled)
             self.sent_bytes += step.nbytes
@@ -134,6 +154,9 @@ class GrpcStream:
 
     def close(self) -> None:
         pass
+
+    def cut_short(self) -> None:
+        self._cut_short = True
 
 
 class TcpStream:
@@ -148,7 +171,8 @@ class TcpStream:
     With `keep` (the consumer keeps its data connections), a Fetch that ends writes the end
     frame and hands the connection to `keep` (the data listener, which waits for the next
     ticket on it) instead of closing it. A Fetch cut off mid-frame (cancel, stall, a failed
-    write) always closes: only a connection at a frame boundary can carry another transfer.
+    write, the end of the shutdown grace) always closes: only a connection at a frame boundary
+    can carry another transfer.
     """
 
     transport = pb.TRANSPORT_TCP
@@ -172,6 +196,10 @@ class TcpStream:
         # A write that did not finish (stall, cancel, error) may have stopped inside a frame:
         # the connection can then never carry an end frame or another transfer.
         self._broken = False
+        self._cut_short = False
+        # Set while a write waits for room on the full socket (`_writable`); `cut_short`
+        # ends that wait.
+        self._room: asyncio.Future[None] | None = None
 
     async def send(self, chunks: Sequence[ReadyChunk], *, last: bool = False) -> None:
         frames = [(c.chunk_id, c.crc32c, c.views) for c in chunks]
@@ -183,13 +211,13 @@ class TcpStream:
         self._ended = end
 
     async def finish(self) -> None:
-        if self._keep is None or self._broken:
+        if self._keep is None or self._broken or self._cut_short:
             self.close()
             return
         if not self._ended:  # the Fetch ended short of its last chunk (e.g. WAIT_TIMEOUT)
             try:
                 await self._write(FrameWriter([_END_FRAME]))
-            except (Stalled, OSError):
+            except (Stalled, CutShort, OSError):
                 self.close()  # the consumer sees the connection end, not the end frame
                 return
         self._handed_back = True
@@ -200,7 +228,7 @@ class TcpStream:
         progress_at, sent = loop.time(), 0
         self._broken = True  # until every frame of `writer` is out
         try:
-            while not await self._threads.run(
+            while not self._cut_short and not await self._threads.run(
                 writer.write, self._sock, self._give_way, interrupt=self._interrupt
             ):
                 if writer.sent_bytes > sent:
@@ -211,8 +239,14 @@ class TcpStream:
                 left_s = progress_at + self._stall_s - loop.time()
                 if left_s <= 0 or not await self._writable(loop, left_s):
                     raise Stalled
+        except OSError:
+            if not self._cut_short:
+                raise
+            # `cut_short` shut the socket down under the thread's send: expected.
         finally:
             self.sent_bytes += writer.payload_bytes
+        if self._cut_short:
+            raise CutShort(writer.frames_written)
         self._broken = False
 
     async def _writable(self, loop: asyncio.AbstractEventLoop, within_s: float) -> bool:
@@ -226,6 +260,7 @@ class TcpStream:
 
         fd = self._sock.fileno()
         loop.add_writer(fd, wake)
+        self._room = ready
         try:
             async with asyncio.timeout(within_s):
                 await ready
@@ -233,14 +268,16 @@ class TcpStream:
         except TimeoutError:
             return False
         finally:
+            self._room = None
             loop.remove_writer(fd)
 
     def _give_way(self, sent: int) -> bool:
         return sent >= SHARE_BYTES and self._threads.waiting() > 0
 
     def _interrupt(self) -> None:
-        """The Fetch was cancelled mid-write: a send blocked on a full socket fails at once
-        instead of at the end of its pause, and the consumer sees the connection end."""
+        """The Fetch was cancelled or cut short mid-write: a send blocked on a full socket
+        fails at once instead of at the end of its pause, and the consumer sees the connection
+        end."""
         with contextlib.suppress(OSError):
             # The plain socket's shutdown, also for TLS: ssl.SSLSocket.shutdown first drops
             # its SSL object, and a data thread's `send` in between would go out unencrypted.
@@ -249,6 +286,17 @@ class TcpStream:
     def close(self) -> None:
         if not self._handed_back:
             self._sock.close()
+
+    def cut_short(self) -> None:
+        """Stops a write at once, mid-frame if need be: the consumer sees its data connection
+        end, and the TransferDone on the call says why. A connection already handed back (at
+        a frame boundary, to wait for its next ticket) is left alone."""
+        self._cut_short = True
+        if self._handed_back:
+            return
+        self._interrupt()  # a thread's send fails at once
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)  # a wait for room ends at once
 
 
 class ShmStream:
@@ -327,3 +375,8 @@ class ShmStream:
         # must not keep the lend's mapping (and its descriptor) open that long once the client
         # released the lend.
         self._target = None
+
+    def cut_short(self) -> None:
+        # Nothing to stop: a batch is one copy of at most BATCH_BYTES (tens of ms) and one
+        # small message, over by itself long before the server cancels its calls.
+        pass
