@@ -640,6 +640,12 @@ class ShmLendingServer:
         # Kept with the connection before anything else can fail: from there they are closed
         # with the message or with the connection, whatever happens.
         conn.fds.extend(_received_fds(ancillary))
+        # Only a lend carries a descriptor, and only after the hello was answered: one that
+        # comes earlier is refused now rather than held until its message completes, so a
+        # connection that has shown no token holds nothing of the producer's but its socket.
+        if conn.fds and not conn.greeted:
+            self._protocol_error(conn, "a descriptor before the hello was answered")
+            return
         # A lend carries one descriptor; more, even spread over a message trickled a byte at
         # a time, would pile up beyond the descriptor budget until the message completes.
         if flags & socket.MSG_CTRUNC or len(conn.fds) > 1:

@@ -70,9 +70,10 @@ ALREADY_LENT = "the memfd is already lent to this producer"
 # Releasing the lend id itself ends the lend, answered once no call at all holds it.
 #   a refusal of any request:   {"ok": false, "error": <str>}
 # A client sends its next request only after the answer to the previous one. A protocol
-# violation (bad framing or JSON, a descriptor on a message other than lend, a second request
-# before the answer, no hello first) is answered with a refusal when possible and then the
-# producer closes the connection, which ends every lend made over it.
+# violation (bad framing or JSON, a descriptor on a message other than lend or before the
+# hello's answer, a second request before the answer, no hello first) is answered with a
+# refusal when possible and then the producer closes the connection, which ends every lend
+# made over it.
 PROTOCOL_VERSION = 1
 CALL_SEPARATOR = "/"
 MAX_MESSAGE_BYTES = 16 * 1024  # far above any real message (a token is the largest field)

@@ -1,8 +1,8 @@
 """Descriptors a producer receives over its shm socket are close-on-exec from the moment they
-arrive, so a program it runs never inherits a client's memory; and however many a message
-brings, every one is closed again (more than fit in the room kept for them is a truncated
-control message, which ends the connection). A real producer process; its descriptors are
-read from /proc."""
+arrive, so a program it runs never inherits a client's memory; however many a message brings,
+every one is closed again (more than fit in the room kept for them is a truncated control
+message, which ends the connection); and one sent before the hello was answered is refused
+at once. A real producer process; its descriptors are read from /proc."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from typing import Any
 
 from conftest import ProducerProcess, wait_for
 
-from kvpark.shm import LENGTH, SharedBuffer, decode_message, encode_message
+from kvpark.shm import FETCH_ROLE, LENGTH, SharedBuffer, decode_message, encode_message
 
 O_CLOEXEC = 0o2000000  # in /proc/<pid>/fdinfo's octal "flags"
+# A lend, sent with its descriptor on the first byte: the producer holds the descriptor until
+# the rest of the message arrives.
+LEND = encode_message({"op": "lend", "role": FETCH_ROLE, "token": None})
 
 
 def descriptors_of(pid: int, name: str) -> dict[int, int]:
@@ -53,10 +56,7 @@ def test_a_received_descriptor_is_close_on_exec(
     producer = producer_process(shm_socket=shm_socket)
     name = f"kvpark-cloexec-{os.getpid()}"
     with connected(shm_socket) as sock, SharedBuffer(4096, name) as buffer:
-        # The descriptor comes with the first byte of a lend, and the producer holds it until
-        # the rest of the message arrives.
-        frame = encode_message({"op": "lend", "role": "fetch", "token": None})
-        socket.send_fds(sock, [frame[:1]], [buffer.fd])
+        socket.send_fds(sock, [LEND[:1]], [buffer.fd])
         held = wait_for(lambda: descriptors_of(producer.proc.pid, name), what="the fd received")
         assert [flags & O_CLOEXEC for flags in held.values()] == [O_CLOEXEC], held
 
@@ -67,11 +67,33 @@ def test_descriptors_beyond_the_room_for_them_are_all_closed(
     producer = producer_process(shm_socket=shm_socket)
     name = f"kvpark-many-{os.getpid()}"
     with connected(shm_socket) as sock, SharedBuffer(4096, name) as buffer:
-        frame = encode_message({"op": "lend", "role": "fetch", "token": None})
-        socket.send_fds(sock, [frame], [buffer.fd] * 10)
+        socket.send_fds(sock, [LEND], [buffer.fd] * 10)
         answer = read_answer(sock)
         assert answer["error"].startswith("protocol error: a lend carries exactly one"), answer
         assert sock.recv(1) == b"", "the connection ends"
         wait_for(
             lambda: not descriptors_of(producer.proc.pid, name), what="every received fd closed"
         )
+
+
+def test_a_descriptor_before_the_hello_is_refused_at_once(
+    producer_process: Callable[..., ProducerProcess], shm_socket: str
+) -> None:
+    """Not held until its message completes (or times out): a connection that has shown no
+    token holds nothing of the producer's but its socket."""
+    producer = producer_process(shm_socket=shm_socket)
+    name = f"kvpark-early-{os.getpid()}"
+    hello = encode_message({"op": "hello", "version": 1, "token": None})
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock,
+        SharedBuffer(4096, name) as buffer,
+    ):
+        sock.settimeout(5)
+        sock.connect(shm_socket)
+        socket.send_fds(sock, [hello[:1]], [buffer.fd])
+        answer = read_answer(sock)
+        assert answer == {
+            "ok": False, "error": "protocol error: a descriptor before the hello was answered"
+        }, answer  # fmt: skip
+        assert sock.recv(1) == b"", "the connection ends"
+        wait_for(lambda: not descriptors_of(producer.proc.pid, name), what="the fd closed")
