@@ -7,15 +7,16 @@ listeners of the metrics endpoint and of the health port, and the connections ea
 once; the data listener's kept connections and handshakes, and one connection per TCP Fetch
 in flight (each a kvpark call, so at most `max_concurrent_rpcs`: the slots grpc keeps beyond
 them are for health and reflection, which open no data connection); the shm socket's
-connections and its lends, each of which holds a descriptor for its mapping. A soft
-RLIMIT_NOFILE below their sum would let silent or leaked connections, or lent buffers, lock
-every new client out with EMFILE while grpc keeps retrying `accept`. The soft limit is raised
-to what is needed when the hard limit allows it (an unprivileged process may), and a hard
-limit that is too low is a configuration error naming each part.
+connections, each with the descriptor of a lend whose message is arriving, and its lends,
+each of which holds a descriptor for its mapping. A soft RLIMIT_NOFILE below their sum would
+let silent or leaked connections, or lent buffers, lock every new client out with EMFILE
+while grpc keeps retrying `accept`. The soft limit is raised to what is needed when the hard
+limit allows it (an unprivileged process may), and a hard limit that is too low is a
+configuration error naming each part.
 
 The shm socket's lends are the one part sized to fit: up to 4,096, fewer where the hard limit
 leaves less room (4,096 is a common hard limit outside containers, and the defaults with both
-transports on would need 7,529), but at least one per shm connection.
+transports on would need 7,789), but at least one per shm connection.
 """
 
 from __future__ import annotations

@@ -65,12 +65,27 @@ LEGACY_HELLOS = 16
 DEFAULT_MAX_LENDS = 4096
 # The server's own descriptors: its socket, its wake-up pair and its selector.
 _OWN_DESCRIPTORS = 4
+# What one connection holds: its socket, and the descriptor of a lend whose message is still
+# arriving (one at most: a second, or one before the hello, ends the connection).
+_DESCRIPTORS_PER_CONNECTION = 2
+# A lend carries one descriptor; room for a few more so that extras are received (and closed)
+# rather than silently dropped by the kernel with MSG_CTRUNC.
+_MAX_FDS_PER_READ = 4
+# Room for that many descriptors (C ints) in one SCM_RIGHTS message.
+_ANCILLARY_BYTES = socket.CMSG_LEN(_MAX_FDS_PER_READ * array.array("i").itemsize)
 
 
 def descriptors(max_lends: int) -> int:
     """The most descriptors a lending server with `max_lends` and the default connection limit
-    holds at once: its own, its connections and every lend's mapping."""
-    return _OWN_DESCRIPTORS + DEFAULT_MAX_CONNECTIONS + max_lends
+    holds at once: its own, each connection's, each lend's mapping, and the few its one thread
+    takes in only to close them at once (one read's extra descriptors, or a connection beyond
+    the limit)."""
+    return (
+        _OWN_DESCRIPTORS
+        + DEFAULT_MAX_CONNECTIONS * _DESCRIPTORS_PER_CONNECTION
+        + max_lends
+        + _MAX_FDS_PER_READ
+    )
 
 
 SOCKET_MODE = 0o660
@@ -79,11 +94,6 @@ SOCKET_MODE = 0o660
 DIRECTORY_MODE = 0o750
 # The socket's name in the private directory it is bound in before it is linked into place.
 _STAGING_NAME = "s"
-# A lend carries one descriptor; room for a few more so that extras are received (and closed)
-# rather than silently dropped by the kernel with MSG_CTRUNC.
-_MAX_FDS_PER_READ = 4
-# Room for that many descriptors (C ints) in one SCM_RIGHTS message.
-_ANCILLARY_BYTES = socket.CMSG_LEN(_MAX_FDS_PER_READ * array.array("i").itemsize)
 _PAUSE_AFTER_ACCEPT_ERROR_S = 0.05
 
 
@@ -347,7 +357,8 @@ class ShmLendingServer:
     Bounds: max_connections open at once (more are answered with a refusal and closed),
     max_lends_per_connection, max_lends over all connections, max_lend_bytes per buffer, and
     message_timeout_s for a started message (and for the hello after connecting) to arrive
-    whole. Each lend holds one descriptor (the mapping's own) besides the connection's.
+    whole. Each connection holds its socket and, while a lend's message arrives, that lend's
+    descriptor; each lend holds one more (the mapping's own).
     """
 
     def __init__(

@@ -388,8 +388,9 @@ def test_the_descriptor_budget_counts_the_data_listener_and_the_shm_socket(tmp_p
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     # 64 handshakes, 1,024 kept connections, the listener's own 4 and 100 calls in flight; the
-    # shm socket's own 4, 256 connections and (the limit leaving no more) 256 lends.
-    for part in ("max_connections 164", "data_listen 1192", "shm_socket 516", "is 1500"):
+    # shm socket's own 4, 256 connections with a lend's descriptor each, the 4 its thread takes
+    # in only to close them and (the limit leaving no more) 256 lends.
+    for part in ("max_connections 164", "data_listen 1192", "shm_socket 776", "is 1500"):
         assert part in run.stderr, (part, run.stderr)
     assert len(run.stderr.strip().splitlines()) == 1
 
@@ -428,10 +429,10 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
         producer.proc.terminate()
         output = producer.output()
     # 4,096 less 1,064 (1,000 connections and the margin), 17 (the metrics endpoint and its
-    # connections), 2,092 (the data listener and 1,000 calls in flight) and 260 (the shm
-    # socket's own and its connections)
-    assert "the shm socket takes 663 lends at once, not 4096" in output, output
-    assert made == 662, made
+    # connections), 2,092 (the data listener and 1,000 calls in flight) and 520 (the shm
+    # socket's own, its connections and a lend's descriptor for each)
+    assert "the shm socket takes 403 lends at once, not 4096" in output, output
+    assert made == 402, made
 
 
 def _lends_until_refused(socket_path: str) -> int:

@@ -1,22 +1,39 @@
 """Descriptors a producer receives over its shm socket are close-on-exec from the moment they
 arrive, so a program it runs never inherits a client's memory; however many a message brings,
 every one is closed again (more than fit in the room kept for them is a truncated control
-message, which ends the connection); and one sent before the hello was answered is refused
-at once. A real producer process; its descriptors are read from /proc."""
+message, which ends the connection); one sent before the hello was answered is refused at
+once; and the one a connection may hold while its lend arrives is in the descriptor budget,
+so a producer at its limit still serves with every shm connection holding one. A real
+producer process; its descriptors are read from /proc."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import socket
 from collections.abc import Callable
 from typing import Any
 
-from conftest import ProducerProcess, wait_for
+import grpc
+from conftest import TEST_SETTINGS, ProducerProcess, wait_for
 
-from kvpark.shm import FETCH_ROLE, LENGTH, SharedBuffer, decode_message, encode_message
+from kvpark.pb import kvpark_pb2 as pb
+from kvpark.pb import kvpark_pb2_grpc as pb_grpc
+from kvpark.producer.config import ProducerConfig
+from kvpark.producer.fd_budget import descriptors_needed
+from kvpark.producer.shm_lending import DEFAULT_MAX_CONNECTIONS
+from kvpark.shm import (
+    FETCH_ROLE,
+    LENGTH,
+    SharedBuffer,
+    ShmLender,
+    decode_message,
+    encode_message,
+)
 
 O_CLOEXEC = 0o2000000  # in /proc/<pid>/fdinfo's octal "flags"
+LENDS_PER_CONNECTION = 64  # the most a producer takes over one shm connection
 # A lend, sent with its descriptor on the first byte: the producer holds the descriptor until
 # the rest of the message arrives.
 LEND = encode_message({"op": "lend", "role": FETCH_ROLE, "token": None})
@@ -97,3 +114,44 @@ def test_a_descriptor_before_the_hello_is_refused_at_once(
         }, answer  # fmt: skip
         assert sock.recv(1) == b"", "the connection ends"
         wait_for(lambda: not descriptors_of(producer.proc.pid, name), what="the fd closed")
+
+
+def test_a_producer_at_its_descriptor_limit_serves_while_every_shm_connection_sends_a_lend(
+    producer_process: Callable[..., ProducerProcess], shm_socket: str
+) -> None:
+    """The producer's descriptor limit is exactly its budget for the lends it holds, and every
+    other connection the shm socket takes holds the descriptor of a lend whose message is
+    still arriving. A new gRPC client is served."""
+    settings = {
+        "shm_socket": shm_socket, "metrics_listen": "", "max_connections": 16,
+        "max_concurrent_rpcs": 8,
+    }  # fmt: skip
+    config = ProducerConfig.from_mapping({**TEST_SETTINGS, **settings})
+    lends = LENDS_PER_CONNECTION  # over one connection
+    budget = sum(descriptors_needed(config, lends).values())
+    producer = producer_process(**settings)
+    # Lowered once it serves, not before it starts (preexec_fn): that forks this process, and
+    # gRPC threads left busy in it by other tests can abort the child before it runs.
+    resource.prlimit(producer.proc.pid, resource.RLIMIT_NOFILE, (budget, budget))
+    name = f"kvpark-arriving-{os.getpid()}"
+    with contextlib.ExitStack() as stack:
+        lender = stack.enter_context(ShmLender(shm_socket, None, 5.0))
+        lender.connect()
+        for _ in range(lends):
+            with SharedBuffer(4096) as lent:  # the producer's mapping keeps it
+                lender.lend(lent, FETCH_ROLE)
+        buffer = stack.enter_context(SharedBuffer(4096, name))
+        socks = [
+            stack.enter_context(connected(shm_socket)) for _ in range(DEFAULT_MAX_CONNECTIONS - 1)
+        ]
+        # All at once, once every hello is answered: each is held at most 5 s.
+        for sock in socks:
+            socket.send_fds(sock, [LEND[:1]], [buffer.fd])
+        wait_for(
+            lambda: len(descriptors_of(producer.proc.pid, name)) == len(socks),
+            what="the producer to hold every connection's descriptor (out of descriptors, "
+            "it cannot receive them all)",
+        )
+        with grpc.insecure_channel(producer.target) as channel:
+            stub = pb_grpc.KVProducerStub(channel)
+            assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5).producer_epoch

@@ -25,9 +25,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import memfds_held, wait_for
 
-from kvpark.producer.shm_lending import LEGACY_HELLOS, LendGone, LentBuffer, ShmLendingServer
+from kvpark.producer.shm_lending import (
+    DEFAULT_MAX_CONNECTIONS,
+    LEGACY_HELLOS,
+    LendGone,
+    LentBuffer,
+    ShmLendingServer,
+    descriptors,
+)
 from kvpark.shm import (
     LENGTH,
     SharedBuffer,
@@ -534,6 +541,39 @@ def test_descriptors_trickled_with_one_message_end_the_connection(start_server: 
     assert is_closed(sock)
     sock.close()
     wait_for(lambda: open_fd_count() <= before, what="the received descriptors closed")
+
+
+def test_the_server_at_its_fullest_holds_no_more_descriptors_than_it_counts(
+    start_server: Any,
+) -> None:
+    """`descriptors()` sizes the producer's descriptor limit, so it must cover the most the
+    server can be made to hold: every connection it takes open, lends mapped, and on each
+    connection a lend whose message is still arriving, its descriptor received."""
+    max_lends = 4
+    before = set(os.listdir("/proc/self/fd"))
+    server = start_server(max_lends=max_lends)
+    lend = {"op": "lend", "role": "fetch", "token": TOKENS["fetch"]}
+    name = f"kvpark-arriving-{os.getpid()}"
+    socks = [raw_connection(server.path) for _ in range(DEFAULT_MAX_CONNECTIONS)]
+    try:
+        for sock in socks[:max_lends]:
+            with SharedBuffer(4096) as lent:  # the server's mapping keeps it
+                assert raw_request(sock, lend, (lent.fd,))["ok"]
+        without_buffer = set(os.listdir("/proc/self/fd"))
+        with SharedBuffer(4096, name) as arriving:
+            buffer_fds = set(os.listdir("/proc/self/fd")) - without_buffer  # its own and its mmap's
+            for sock in socks:
+                socket.send_fds(sock, [encode_message(lend)[:1]], [arriving.fd])
+            wait_for(
+                lambda: memfds_held(os.getpid(), name) == len(buffer_fds) + len(socks),
+                what="every connection's descriptor received",
+            )
+            ours = buffer_fds | {str(sock.fileno()) for sock in socks}
+            held = set(os.listdir("/proc/self/fd")) - before - ours
+        assert len(held) <= descriptors(max_lends), (len(held), descriptors(max_lends))
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_lend_limits(start_server: Any, lenders: Any) -> None:
