@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import os
 import shutil
 import socket
@@ -220,11 +221,43 @@ class ProducerProcess:
             self.proc.stdout.close()
 
 
+# Sets a child's limits, then becomes the real command (argv[2:]) by exec.
+_LAUNCHER = """
+import json, os, resource, sys
+limits = json.loads(sys.argv[1])
+for name in ("RLIMIT_NOFILE", "RLIMIT_AS"):
+    if limits[name] is not None:
+        resource.setrlimit(getattr(resource, name), (limits[name], limits[name]))
+if limits["umask"] is not None:
+    os.umask(limits["umask"])
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+@dataclass(frozen=True)
+class ChildLimits:
+    """Limits a test's child process starts under (None: inherited).
+
+    A launcher sets them and then execs the command, rather than `preexec_fn`: that forks this
+    process, whose gRPC threads (left busy by earlier tests) can leave the child aborting before
+    it runs, and runs Python between fork and exec."""
+
+    nofile: int | None = None
+    address_space: int | None = None
+    umask: int | None = None
+
+    def wrap(self, args: list[str]) -> list[str]:
+        """`args` run under these limits."""
+        limits = {"RLIMIT_NOFILE": self.nofile, "RLIMIT_AS": self.address_space}
+        setup = json.dumps({**limits, "umask": self.umask})
+        return [sys.executable, "-c", _LAUNCHER, setup, *args]
+
+
 def start_producer_process(
-    tmp_path: Path, limits: Callable[[], None] | None = None, **overrides: Any
+    tmp_path: Path, limits: ChildLimits | None = None, **overrides: Any
 ) -> ProducerProcess:
-    """`python -m kvpark.producer` with the test settings and `overrides`, ready to serve;
-    `limits` runs in the child before it starts (e.g. to lower a resource limit)."""
+    """`python -m kvpark.producer` with the test settings and `overrides`, ready to serve,
+    started under `limits`."""
     port, metrics_port = free_port(), free_port()
     settings = {
         **TEST_SETTINGS,
@@ -235,11 +268,12 @@ def start_producer_process(
     args = [sys.executable, "-m", "kvpark.producer"]
     for key, value in settings.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
+    if limits is not None:
+        args = limits.wrap(args)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK_")}
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
-        preexec_fn=limits,
-    )  # fmt: skip
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+    )
     target = str(Address.parse(str(settings["listen"])).dialable())
     deadline = time.monotonic() + 20
     with grpc.insecure_channel(target) as channel:

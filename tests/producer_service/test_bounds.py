@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import resource
 import signal
 import socket
 import statistics
@@ -28,7 +27,14 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-from conftest import MiB, ProducerProcess, park_requests, start_producer_process, wait_for
+from conftest import (
+    ChildLimits,
+    MiB,
+    ProducerProcess,
+    park_requests,
+    start_producer_process,
+    wait_for,
+)
 
 from kvpark import KVConsumer, KVParker, TransportError
 from kvpark.pb import kvpark_pb2 as pb
@@ -357,14 +363,12 @@ def test_a_frozen_peer_is_noticed_within_seconds(producer_process: Any) -> None:
 
 # ================================================================== file-descriptor budget
 def test_a_descriptor_limit_below_max_connections_is_a_config_error(tmp_path: Any) -> None:
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-
+    args = [sys.executable, "-m", "kvpark.producer", "--listen", "127.0.0.1:0",
+            "--metrics-listen", "", "--pool-bytes", "16MiB", "--max-chunk-bytes", "1MiB",
+            "--max-connections", "1000"]  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "kvpark.producer", "--listen", "127.0.0.1:0",
-         "--metrics-listen", "", "--pool-bytes", "16MiB", "--max-chunk-bytes", "1MiB",
-         "--max-connections", "1000"],
-        capture_output=True, text=True, timeout=60, preexec_fn=low_limit, cwd=tmp_path,
+        ChildLimits(nofile=256).wrap(args), capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert "max_connections" in run.stderr and "256" in run.stderr
@@ -375,16 +379,13 @@ def test_the_descriptor_budget_counts_the_data_listener_and_the_shm_socket(tmp_p
     """Kept data connections, TCP Fetches in flight and lent buffers each hold a descriptor:
     a limit that max_connections alone fits is still a config error once the data listener
     and the shm socket are on, and the message names each part with its count."""
-
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1500, 1500))
-
+    args = [sys.executable, "-m", "kvpark.producer", "--listen", "127.0.0.1:0",
+            "--metrics-listen", "", "--pool-bytes", "16MiB", "--max-chunk-bytes", "1MiB",
+            "--max-connections", "100", "--max-concurrent-rpcs", "100",
+            "--data-listen", "127.0.0.1:0", "--shm-socket", str(tmp_path / "shm.sock")]  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "kvpark.producer", "--listen", "127.0.0.1:0",
-         "--metrics-listen", "", "--pool-bytes", "16MiB", "--max-chunk-bytes", "1MiB",
-         "--max-connections", "100", "--max-concurrent-rpcs", "100",
-         "--data-listen", "127.0.0.1:0", "--shm-socket", str(tmp_path / "shm.sock")],
-        capture_output=True, text=True, timeout=60, preexec_fn=low_limit, cwd=tmp_path,
+        ChildLimits(nofile=1500).wrap(args), capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     # 64 handshakes, 1,024 kept connections, the listener's own 4 and 100 calls in flight; the
@@ -402,11 +403,8 @@ def test_a_tight_descriptor_limit_gets_fewer_shm_lends_not_a_refusal_to_start(
     transports on would need with 4,096 lends. The producer takes as many lends as the limit
     leaves room for, says so, and serves every transport."""
 
-    def common_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
-
     producer = start_producer_process(
-        tmp_path, limits=common_limit, data_listen="127.0.0.1:0",
+        tmp_path, limits=ChildLimits(nofile=4096), data_listen="127.0.0.1:0",
         shm_socket=str(tmp_path / "shm.sock"),
     )  # fmt: skip
     try:

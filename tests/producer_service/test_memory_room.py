@@ -5,12 +5,12 @@ what is only warned about, and the real process refusing a pool that cannot fit.
 from __future__ import annotations
 
 import logging
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import ChildLimits
 
 from kvpark.producer.config_values import ConfigError
 from kvpark.producer.memory_room import (
@@ -212,18 +212,14 @@ def test_producer_refuses_a_pool_larger_than_mem_available() -> None:
     )
     pool = available_kib * 1024 + GiB
 
-    def cap_address_space() -> None:
-        # Were the check missing, the pool's mmap fails on this cap (exit 1) instead of
-        # touching more memory than the machine has.
-        cap = available_kib * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
+    # Were the check missing, the pool's mmap fails on this cap (exit 1) instead of touching
+    # more memory than the machine has.
+    cap = ChildLimits(address_space=available_kib * 1024)
     result = subprocess.run(
-        [sys.executable, "-m", "producer_service", "--pool-bytes", str(pool)],
+        cap.wrap([sys.executable, "-m", "producer_service", "--pool-bytes", str(pool)]),
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=cap_address_space,
     )
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.splitlines()

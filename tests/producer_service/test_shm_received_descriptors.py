@@ -130,8 +130,8 @@ def test_a_producer_at_its_descriptor_limit_serves_while_every_shm_connection_se
     lends = LENDS_PER_CONNECTION  # over one connection
     budget = sum(descriptors_needed(config, lends).values())
     producer = producer_process(**settings)
-    # Lowered once it serves, not before it starts (preexec_fn): that forks this process, and
-    # gRPC threads left busy in it by other tests can abort the child before it runs.
+    # Lowered once it serves: it would not start under a limit that leaves it fewer than
+    # MIN_LENDS lends, and one lender's worth is enough to fill the budget here.
     resource.prlimit(producer.proc.pid, resource.RLIMIT_NOFILE, (budget, budget))
     name = f"kvpark-arriving-{os.getpid()}"
     with contextlib.ExitStack() as stack:

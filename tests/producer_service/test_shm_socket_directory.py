@@ -10,11 +10,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import ProducerProcess
-
-
-def strict_umask() -> None:
-    os.umask(0o077)
+from conftest import ChildLimits, ProducerProcess
 
 
 def mode(path: Path) -> int:
@@ -27,7 +23,7 @@ def test_directories_made_for_the_socket_are_0750_under_umask_077(
     existing = Path(shm_socket).parent
     existing.chmod(0o700)
     path = existing / "made" / "too" / "shm.sock"
-    producer_process(shm_socket=str(path), limits=strict_umask)
+    producer_process(shm_socket=str(path), limits=ChildLimits(umask=0o077))
     assert stat.S_ISSOCK(os.lstat(path).st_mode) and mode(path) == 0o660
     assert mode(existing / "made") == 0o750
     assert mode(existing / "made" / "too") == 0o750
