@@ -424,7 +424,7 @@ class AsyncKVConsumer(ClientBase):
         call = fetch(
             session.request, timeout=session.remaining_s(), metadata=self._core.channel.metadata
         )
-        watchdog = _Watchdog(session.first_chunk_remaining_s(), call.cancel)
+        watchdog = _Watchdog(session.first_chunk_watch_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
         finished = False  # ... and the producer ended it: no copy of it is still running
         try:
@@ -436,6 +436,9 @@ class AsyncKVConsumer(ClientBase):
                     step = await self._receive(session, call)
                 if step is not Step.CONTINUE:
                     break
+                # No chunk yet (a data connection that ended before its first frame): the
+                # first-chunk limit still bounds the wait for the stream's outcome.
+                watchdog = _Watchdog(session.first_chunk_watch_s(), call.cancel)
             else:
                 ended = finished = True
                 session.stream_ended()

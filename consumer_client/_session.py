@@ -201,6 +201,14 @@ class LoadSession:
             return None
         return max(0.0, self.first_chunk_deadline - self._clock())
 
+    def first_chunk_watch_s(self) -> float | None:
+        """How long the client's first-chunk watchdog lets the stream be silent from now on:
+        what is left of the first-chunk limit while no chunk has counted, None once one did
+        (or when the load has no such limit). Re-armed after every message that brought no
+        chunk: a data connection that ended before its first frame leaves the load waiting on
+        the stream's TransferDone, and the limit must still bound that wait."""
+        return None if self.chunks_loaded else self.first_chunk_remaining_s()
+
     @property
     def decided(self) -> bool:
         return self._outcome is not None

@@ -373,7 +373,7 @@ class KVConsumer(ClientBase):
             metadata=self._core.channel.metadata,
         )
         alarms = self._alarms
-        watchdog = alarms.arm(session.first_chunk_remaining_s(), call.cancel)
+        watchdog = alarms.arm(session.first_chunk_watch_s(), call.cancel)
         ended = False  # the call reached its final status: nothing to cancel
         finished = False  # ... and the producer ended it: no copy of it is still running
         interrupted = False  # a signal's exception cut the load off: see below
@@ -387,6 +387,9 @@ class KVConsumer(ClientBase):
                     step = self._receive(session, call)
                 if step is not Step.CONTINUE:
                     break
+                # No chunk yet (a data connection that ended before its first frame): the
+                # first-chunk limit still bounds the wait for the stream's outcome.
+                watchdog = alarms.arm(session.first_chunk_watch_s(), call.cancel)
             else:
                 ended = finished = True
                 session.stream_ended()
