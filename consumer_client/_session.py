@@ -445,8 +445,21 @@ class LoadSession:
         rule = classify_status(code)
         if rule.load_reason is None:
             raise error_for(code, details, f"Fetch {printable_id(self.kv_request_id)}")
-        detail = self._timeout_detail("total") if rule.load_reason is Reason.TIMEOUT else details
-        self._decide(rule.load_reason, detail, rule.code)
+        if rule.load_reason is Reason.TIMEOUT:
+            details = self._deadline_detail(details)
+        self._decide(rule.load_reason, details, rule.code)
+
+    def _deadline_detail(self, details: str) -> str:
+        """What a DEADLINE_EXCEEDED status says: the load's own total passed, or (well before
+        it) the producer gave up on the Fetch (fetch_stall_timeout_s: the consumer neither
+        connected nor read), which the detail must not pass off as the caller's limit."""
+        left = self.remaining_s()
+        if left is not None and left <= _OWN_DEADLINE_SLACK_S:
+            return self._timeout_detail("total")
+        return (
+            f"the producer cut the Fetch off after {self._clock() - self.started:.3f}s, "
+            f"{self.chunks_loaded} chunks loaded: {details}"
+        )
 
     def _too_small(self, details: str) -> BufferTooSmallError:
         """The error the other transports raise when `into` runs out at the same chunk: the
@@ -560,6 +573,10 @@ class LoadSession:
             f"{self.chunks_loaded} chunks loaded; Fetch cancelled"
         )
 
+
+# A DEADLINE_EXCEEDED this close to the load's own deadline is that deadline (gRPC's timer and
+# this clock may differ by a little); earlier, the producer ended the Fetch.
+_OWN_DEADLINE_SLACK_S = 0.1
 
 # How a producer refuses a shm Fetch's next chunk that does not fit in the rest of the lent
 # range: OUT_OF_RANGE, its detail naming the chunk and its size (docs/protocol.md). Producers

@@ -125,3 +125,20 @@ async def test_a_data_connection_ended_before_its_first_frame_ends_by_the_first_
         )
         again = await _load(flavour, server.target, "k", Timeout(TOTAL_S))
         assert again.ok and again.transport == "tcp", again
+
+
+async def test_the_producer_cutting_a_fetch_off_is_not_reported_as_the_loads_own_timeout() -> None:
+    """Without a first-chunk limit the producer's stall bound ends such a load: a timeout,
+    but the producer's, long before the load's own 30 s, and the detail says so."""
+    async with running_producer(**{**SETTINGS, "fetch_stall_timeout_s": 1.0}) as server:
+        assert server.data is not None
+        await asyncio.to_thread(_park, server.target, "s")
+        with closing_after_answer(server.data.port, reset=False) as port:
+            server.servicer.offer(data=server.data, data_address=f"127.0.0.1:{port}", shm=None)
+            result = await _load("async", server.target, "s", Timeout(TOTAL_S))
+            await wait_until(lambda: server.lot.bound_count == 0, what="the Fetch to end")
+        server.lot.check_invariants()
+    assert result.reason is Reason.TIMEOUT and result.chunks_loaded == 0, result
+    assert result.detail.startswith("the producer cut the Fetch off after"), result
+    assert "fetch_stall_timeout_s" in result.detail, result
+    assert result.elapsed_s < TOTAL_S / 2, result
